@@ -1,0 +1,2 @@
+"""kvforge code generator: variants.yaml → generated/*.hip (`python -m codegen`)."""
+__version__ = "0.1.0"

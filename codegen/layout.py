@@ -1,0 +1,193 @@
+"""What a contract's index expressions mean for one variant.
+
+Given concrete sizes (head_dim, kv heads, element size), a cache's expressions are
+turned into: extents, an element offset expression (compile-time symbols folded
+in, free strides left as run-time names), and the widest vector the kernel may
+store along `d` (one token, neighbouring dims) or along the slot (neighbouring
+tokens of one page, one dim). These facts are *proven* by enumerating every
+(off, h, d) of one page, never assumed from the layout's name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from . import expr as ex
+from .model import Cache, IndexDtype, KvScale, Variant
+
+VEC = 8  # model-dtype elements per 16-byte access of the kernel
+
+
+@dataclass(frozen=True)
+class CacheAccess:
+    """A cache as the kernel sees it for one variant."""
+
+    role: str
+    tensor: str
+    elem_size: int                    # bytes per stored element (1 = FP8)
+    page_size: int
+    heads: int                        # kv heads, or 1 for the index cache
+    extents: tuple[int | None, ...]   # None at the run-time (page count) dimension
+    runtime_dim: int
+    free: tuple[int, ...]
+    contiguous_strides: tuple[int | None, ...]  # None where the stride is free
+    offset: ex.Expr                   # element offset in terms of page, off, h, d, s<dim>
+    d_vec: int                        # elements one store may cover along d
+    slot_vec: int                     # tokens one store may cover along the slot (1 = no)
+
+    def offset_cpp(self) -> str:
+        names = {"page": "page", "off": "off", "h": "h", "d": "d"}
+        names.update({f"s{i}": f"c.strides[{i}]" for i in self.free})
+        return ex.to_cpp(self.offset, names)
+
+    def offset_torch(self, page, off, h, d, strides):
+        env = {"page": page, "off": off, "h": h, "d": d}
+        env.update({f"s{i}": strides[i] for i in self.free})
+        return ex.evaluate(self.offset, env)
+
+
+def elem_size(v: Variant, role: str) -> int:
+    if role == "index":
+        return 1 if v.index_dtype is IndexDtype.FP8 else v.dtype.size
+    return 1 if v.kv_scale is not KvScale.NONE else v.dtype.size
+
+
+def _symbols(v: Variant, cache: Cache) -> dict[str, int]:
+    return {"D": v.head_dim, "nkv": v.num_kv_heads, "x": 16 // elem_size(v, cache.role),
+            "page_size": cache.page_size}
+
+
+@lru_cache(maxsize=None)
+def access(v: Variant, role: str) -> CacheAccess:
+    cache: Cache = getattr(v.contract, role)
+    syms = _symbols(v, cache)
+    extents = _extents(cache, syms)
+    strides = _strides(cache, extents)
+    offset = ex.substitute(_plain_offset(cache, strides), syms)
+    heads = 1 if role == "index" else v.num_kv_heads
+    grid = _page_grid(cache.page_size, heads, v.head_dim)
+    d_vec, slot_vec = _vector_widths(v, cache, offset, grid)
+    return CacheAccess(role=role, tensor=cache.tensor, elem_size=elem_size(v, role),
+                       page_size=cache.page_size, heads=heads, extents=tuple(extents),
+                       runtime_dim=cache.runtime_dim, free=cache.free,
+                       contiguous_strides=tuple(strides), offset=offset,
+                       d_vec=d_vec, slot_vec=slot_vec)
+
+
+def _page_grid(page_size: int, heads: int, head_dim: int):
+    off = torch.arange(page_size).view(-1, 1, 1)
+    h = torch.arange(heads).view(1, -1, 1)
+    d = torch.arange(head_dim).view(1, 1, -1)
+    return off, h, d
+
+
+def _within_page(acc_offset: ex.Expr, free: tuple[int, ...], grid) -> torch.Tensor:
+    """Element offsets of one page (page 0; free strides do not matter there)."""
+    off, h, d = grid
+    env = {"page": 0, "off": off, "h": h, "d": d}
+    env.update({f"s{i}": 0 for i in free})
+    out = ex.evaluate(acc_offset, env)
+    if not isinstance(out, torch.Tensor):
+        out = torch.tensor(out)
+    return out.expand(off.shape[0], h.shape[1], d.shape[2]).to(torch.int64)
+
+
+def _vector_widths(v: Variant, cache: Cache, offset: ex.Expr, grid) -> tuple[int, int]:
+    offs = _within_page(offset, cache.free, grid)
+    max_elems = 16 // elem_size(v, cache.role)
+
+    def contiguous(t: torch.Tensor, w: int) -> bool:
+        # t's last dim is the candidate vector axis: aligned runs of w must be +1 steps
+        # from an offset that is itself a multiple of w.
+        if t.shape[-1] % w:
+            return False
+        runs = t.reshape(*t.shape[:-1], -1, w)
+        step = runs - runs[..., :1]
+        return bool((step == torch.arange(w)).all() and (runs[..., 0] % w == 0).all())
+
+    d_vec = 1
+    for w in (16, 8, 4, 2):
+        if w <= min(VEC, max_elems) and contiguous(offs, w):
+            d_vec = w
+            break
+    slot_vec = 1
+    if d_vec == 1:
+        by_slot = offs.permute(1, 2, 0)  # (h, d, off): consecutive tokens of one page
+        for w in (16, 8, 4, 2):
+            if w <= max_elems and contiguous(by_slot, w):
+                slot_vec = w
+                break
+    return d_vec, slot_vec
+
+
+def _extents(cache: Cache, syms) -> list[int | None]:
+    return [None if i == cache.runtime_dim else ex.evaluate(e, syms)
+            for i, e in enumerate(cache.shape)]
+
+
+def _strides(cache: Cache, extents: list[int | None]) -> list[int | None]:
+    """Row-major element strides; None for free dims (read from the tensor)."""
+    out: list[int | None] = []
+    for i in range(len(extents)):
+        s = 1
+        for e in extents[i + 1:]:
+            s *= e if e is not None else 1
+        out.append(None if i in cache.free else s)
+    return out
+
+
+def _plain_offset(cache: Cache, strides: list[int | None]) -> ex.Expr:
+    """Sum of index * stride, free strides named s<dim>; symbols not yet folded."""
+    offset: ex.Expr = ex.Num(0)
+    for i, idx in enumerate(cache.index):
+        stride: ex.Expr = ex.Sym(f"s{i}") if strides[i] is None else ex.Num(strides[i])
+        offset = ex.BinOp("+", offset, ex.BinOp("*", idx, stride))
+    return offset
+
+
+def check_variant(v: Variant) -> list[tuple[str, str]]:
+    """Layout problems of a variant's contract at its sizes, as (cache role, message)."""
+    problems: list[tuple[str, str]] = []
+    pages: dict[str, torch.Tensor] = {}
+    for role in ("k", "v", "index"):
+        cache: Cache = getattr(v.contract, role)
+        syms = _symbols(v, cache)
+        try:
+            extents = _extents(cache, syms)
+        except ZeroDivisionError as e:
+            problems.append((role, f"shape: {e}"))
+            continue
+        bad = [str(cache.shape[i]) for i, e in enumerate(extents) if e is not None and e <= 0]
+        if bad:
+            problems.append((role, f"shape extent {bad[0]} is not positive at these sizes"))
+            continue
+        heads = 1 if role == "index" else v.num_kv_heads
+        off, h, d = _page_grid(cache.page_size, heads, v.head_dim)
+        env = {**syms, "page": 0, "off": off, "h": h, "d": d}
+        for i, idx in enumerate(cache.index):
+            if i == cache.runtime_dim:
+                continue
+            try:
+                val = ex.evaluate(idx, env)
+            except ZeroDivisionError as e:
+                problems.append((role, f"index[{i}]: {e}"))
+                break
+            val = torch.as_tensor(val)
+            if bool((val < 0).any()) or bool((val >= extents[i]).any()):
+                problems.append((role, f"index[{i}] '{idx}' leaves the extent "
+                                 f"{extents[i]} of shape[{i}] '{cache.shape[i]}'"))
+                break
+        else:
+            acc = ex.substitute(_plain_offset(cache, _strides(cache, extents)), syms)
+            offs = _within_page(acc, cache.free, (off, h, d)).flatten()
+            if offs.unique().numel() != offs.numel():
+                problems.append((role, "two (slot, head, dim) elements land on the same address"))
+            elif role != "index" and "page" not in {s for e in cache.index for s in e.symbols()}:
+                problems.append((role, "never uses 'page'"))
+            pages[role] = offs
+    if (not problems and v.contract.combined_kv
+            and bool(torch.isin(pages["k"], pages["v"]).any())):
+        problems.append(("v", "k and v share kv_cache but overlap"))
+    return problems

@@ -1,0 +1,691 @@
+"""variants.yaml → validated, frozen spec objects.
+
+Every schema problem becomes one line `variants.yaml:LINE: key.path: message`; all
+of them are collected and raised together as `SpecError`. The objects returned are
+frozen dataclasses and strict enums, so nothing downstream re-validates.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+
+import yaml
+
+from . import expr as ex
+from .yamlload import LocDict, LocList, load
+
+__all__ = [
+    "DType", "Fp8", "IndexMode", "IndexDtype", "KvScale", "Norm", "Saturation", "IndexSlots",
+    "Cache", "Contract", "Variant", "Family", "Spec", "SpecError", "load_spec", "parse_spec",
+]
+
+
+class SpecError(ValueError):
+    """All problems found in one variants.yaml, one per line."""
+
+    def __init__(self, errors: Sequence[str]):
+        self.errors = list(errors)
+        count = f"{len(self.errors)} error{'s' if len(self.errors) != 1 else ''}"
+        super().__init__(f"{count} in the variant spec:\n" + "\n".join(self.errors))
+
+
+E = TypeVar("E", bound="StrictEnum")
+
+
+class StrictEnum(enum.Enum):
+    """An enum whose `parse` accepts exactly its spelled values."""
+
+    @classmethod
+    def parse(cls: type[E], value: Any) -> E:
+        for member in cls:
+            if member.value == value:
+                return member
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"expected one of {choices}, got {value!r}")
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class DType(StrictEnum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+    @property
+    def size(self) -> int:
+        return 4 if self is DType.FP32 else 2
+
+
+class Fp8(StrictEnum):
+    E4M3FN = "e4m3fn"
+    E4M3FNUZ = "e4m3fnuz"
+
+    @property
+    def max(self) -> float:
+        return 448.0 if self is Fp8.E4M3FN else 240.0
+
+
+class IndexMode(StrictEnum):
+    FULL = "full"
+    SKIP = "skip"
+    NONE = "none"
+
+
+class IndexDtype(StrictEnum):
+    MODEL = "model"
+    FP8 = "fp8"
+
+
+class KvScale(StrictEnum):
+    NONE = "none"            # cache in the model dtype
+    UNIT = "unit"            # FP8, scale 1
+    PER_TENSOR = "per_tensor"
+    PER_HEAD = "per_head"
+
+
+class Norm(StrictEnum):
+    GEMMA = "gemma"          # x * rsqrt(ms + eps) * (1 + w)
+    PLAIN = "plain"          # x * rsqrt(ms + eps) * w
+
+
+class Saturation(StrictEnum):
+    SATURATE = "saturate"
+    PASSTHROUGH = "passthrough"
+
+
+class IndexSlots(StrictEnum):
+    OWN = "own"              # index_slot_mapping is required
+    SHARED = "shared"        # index_slot_mapping defaults to slot_mapping
+
+
+# Symbols a cache's shape and index expressions may use.
+COMPILE_TIME_SYMBOLS = frozenset({"D", "nkv", "x", "page_size"})
+INDEX_SYMBOLS = frozenset({"page", "off", "h", "d"}) | COMPILE_TIME_SYMBOLS
+CACHE_TENSORS = ("k_cache", "v_cache", "kv_cache", "index_cache")
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Cache:
+    """Where element (slot, head, dim) of one cache lands: data from the YAML."""
+
+    role: str                     # k | v | index
+    tensor: str                   # the API argument that holds it
+    page_size: int
+    shape: tuple[ex.Expr, ...]
+    index: tuple[ex.Expr, ...]
+    free: tuple[int, ...]         # dims whose stride is read at run time
+    runtime_dim: int              # the one dim whose extent is read from the tensor (pages)
+    runtime_name: str
+
+
+@dataclass(frozen=True)
+class Contract:
+    name: str
+    engine: str
+    scales: tuple[KvScale, ...]
+    saturation: Saturation
+    round_before_quant: bool
+    index_slots: IndexSlots
+    k: Cache
+    v: Cache
+    index: Cache
+    line: int = field(compare=False, hash=False, default=0)
+
+    @property
+    def combined_kv(self) -> bool:
+        return self.k.tensor == self.v.tensor
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compile-time point: everything the generated kernel bakes in."""
+
+    contract: Contract
+    dtype: DType
+    head_dim: int
+    rotary_dim: int
+    num_kv_heads: int
+    cos_sin: DType
+    norm: Norm
+    index_mode: IndexMode
+    index_dtype: IndexDtype | None   # None unless index_mode is full
+    kv_scale: KvScale
+    fp8: Fp8 | None                  # None unless something is stored as FP8
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.kv_scale is not KvScale.NONE
+
+    @property
+    def index_fp8(self) -> bool:
+        return self.index_dtype is IndexDtype.FP8
+
+    @property
+    def uri(self) -> str:
+        """The procedural name: spells every compile-time parameter, C-identifier safe."""
+        idx = self.index_mode.value
+        if self.index_dtype is not None:
+            idx += "_" + self.index_dtype.value
+        kv = self.kv_scale.value.replace("_", "")
+        parts = [
+            self.contract.name, self.dtype.value, f"d{self.head_dim}", f"r{self.rotary_dim}",
+            f"kvh{self.num_kv_heads}", f"cs{self.cos_sin.value}", self.norm.value,
+            f"idx{idx}", f"kv{kv}",
+        ]
+        if self.fp8 is not None:
+            parts.append(self.fp8.value)
+        return "_".join(parts)
+
+    def axes(self) -> dict[str, str]:
+        """The variant as the YAML would write it (used in messages and manifests)."""
+        out = {
+            "contract": self.contract.name, "dtype": self.dtype.value,
+            "head_dim": str(self.head_dim), "rotary_dim": str(self.rotary_dim),
+            "num_kv_heads": str(self.num_kv_heads), "cos_sin": self.cos_sin.value,
+            "norm": self.norm.value, "index_mode": self.index_mode.value,
+            "kv_scale": self.kv_scale.value,
+        }
+        if self.index_dtype is not None:
+            out["index_dtype"] = self.index_dtype.value
+        if self.fp8 is not None:
+            out["fp8"] = self.fp8.value
+        return out
+
+
+AXES = ("contract", "dtype", "head_dim", "rotary_dim", "num_kv_heads", "cos_sin", "norm",
+        "index_mode", "index_dtype", "kv_scale", "fp8")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    line: int
+    variants: tuple[Variant, ...]
+
+
+@dataclass(frozen=True)
+class Spec:
+    contracts: Mapping[str, Contract]
+    families: tuple[Family, ...]
+    defaults: Mapping[str, str]
+    variants: tuple[Variant, ...]     # sorted by uri, deduplicated
+
+    def variant(self, uri: str) -> Variant:
+        for v in self.variants:
+            if v.uri == uri:
+                return v
+        raise KeyError(uri)
+
+
+# ----------------------------------------------------------------------------- errors
+class _Errors:
+    def __init__(self, filename: str):
+        self.filename = filename
+        self.items: list[str] = []
+
+    def add(self, line: int, path: str, message: str) -> None:
+        self.items.append(f"{self.filename}:{line}: {path}: {message}")
+
+
+def _line_of(container: Any, key: Any, default: int) -> int:
+    if isinstance(container, LocDict):
+        return container.key_lines.get(key, default)
+    if isinstance(container, LocList) and isinstance(key, int) and key < len(container.item_lines):
+        return container.item_lines[key]
+    return default
+
+
+class _Section:
+    """A mapping under validation: typed getters that report and never raise."""
+
+    def __init__(self, errs: _Errors, data: Any, path: str, line: int, allowed: Sequence[str]):
+        self.errs, self.path = errs, path
+        self.ok = isinstance(data, dict)
+        self.line = getattr(data, "line", line)
+        self.data: dict = data if self.ok else {}
+        if not self.ok:
+            errs.add(line, path, f"expected a mapping, got {type(data).__name__}")
+            return
+        for key in data:
+            if key not in allowed:
+                errs.add(self.key_line(key), self.sub(key),
+                         f"unknown key (allowed: {', '.join(allowed)})")
+
+    def sub(self, key: Any) -> str:
+        return f"{self.path}.{key}" if self.path else str(key)
+
+    def key_line(self, key: Any) -> int:
+        return _line_of(self.data, key, self.line)
+
+    def get(self, key: str, parse: Callable[[Any], Any], required: bool = True,
+            default: Any = None) -> Any:
+        if key not in self.data:
+            if required:
+                self.errs.add(self.line, self.sub(key), "missing required key")
+            return default
+        try:
+            return parse(self.data[key])
+        except (ValueError, TypeError, ex.ExprError) as e:
+            self.errs.add(self.key_line(key), self.sub(key), str(e))
+            return default
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(f"expected a lower-case identifier, got {value!r}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _pos_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _list_of(parse: Callable[[Any], Any]) -> Callable[[Any], tuple]:
+    def inner(value: Any) -> tuple:
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"expected a non-empty list, got {value!r}")
+        return tuple(parse(v) for v in value)
+    return inner
+
+
+# ----------------------------------------------------------------------------- contracts
+def _parse_cache(errs: _Errors, data: Any, path: str, line: int, role: str) -> Cache | None:
+    sec = _Section(errs, data, path, line, ("tensor", "page_size", "shape", "index", "free"))
+    if not sec.ok:
+        return None
+    n_before = len(errs.items)
+
+    def tensor(v: Any) -> str:
+        if v not in CACHE_TENSORS:
+            raise ValueError(f"expected one of {', '.join(CACHE_TENSORS)}, got {v!r}")
+        return v
+
+    name = sec.get("tensor", tensor)
+    page_size = sec.get("page_size", _pos_int)
+    shape_raw = sec.get("shape", _list_of(lambda v: v))
+    index_raw = sec.get("index", _list_of(lambda v: v))
+    free = sec.get("free", _list_of(_nonneg_int), required=False, default=())
+    shape: list[ex.Expr] = []
+    index: list[ex.Expr] = []
+    runtime: list[tuple[int, str]] = []
+    for i, text in enumerate(shape_raw or ()):
+        try:
+            e = ex.parse(text)
+        except ex.ExprError as err:
+            errs.add(_line_of(sec.data["shape"], i, sec.key_line("shape")), f"{path}.shape[{i}]", str(err))
+            continue
+        names = e.symbols() - COMPILE_TIME_SYMBOLS
+        if names and not isinstance(e, ex.Sym):
+            errs.add(_line_of(sec.data["shape"], i, sec.key_line("shape")), f"{path}.shape[{i}]",
+                     f"a run-time extent must stand alone, got '{text}'")
+        elif names:
+            runtime.append((i, e.name))  # type: ignore[union-attr]
+        shape.append(e)
+    for i, text in enumerate(index_raw or ()):
+        try:
+            index.append(ex.parse(text, INDEX_SYMBOLS))
+        except ex.ExprError as err:
+            errs.add(_line_of(sec.data["index"], i, sec.key_line("index")), f"{path}.index[{i}]", str(err))
+    if len(errs.items) != n_before:
+        return None
+    if len(shape) != len(index):
+        errs.add(sec.key_line("index"), f"{path}.index",
+                 f"has {len(index)} entries but shape has {len(shape)}")
+        return None
+    if len(runtime) != 1:
+        errs.add(sec.key_line("shape"), f"{path}.shape",
+                 "needs exactly one run-time extent (the page count, e.g. 'pages'), "
+                 f"found {len(runtime)}")
+        return None
+    rdim, rname = runtime[0]
+    if index[rdim] != ex.Sym("page"):
+        errs.add(sec.key_line("index"), f"{path}.index[{rdim}]",
+                 f"the run-time dimension '{rname}' must be indexed by 'page', got '{index[rdim]}'")
+        return None
+    for d in free:
+        if d >= len(shape):
+            errs.add(sec.key_line("free"), f"{path}.free", f"dimension {d} does not exist "
+                     f"(the shape has {len(shape)})")
+            return None
+        if not index[d].symbols() <= {"page"} | COMPILE_TIME_SYMBOLS:
+            errs.add(sec.key_line("free"), f"{path}.free",
+                     f"dimension {d} is indexed by '{index[d]}'; only a dimension indexed by "
+                     "'page' may have a free stride")
+            return None
+    for d in range(len(shape)):
+        if d < rdim and d not in free:
+            errs.add(sec.key_line("shape"), f"{path}.shape",
+                     f"dimension {d} lies outside the run-time extent '{rname}', so its stride "
+                     "is not a constant; list it under 'free'")
+            return None
+    if role != "index" and "h" not in set().union(*(e.symbols() for e in index)):
+        errs.add(sec.key_line("index"), f"{path}.index", "never uses the head 'h'")
+        return None
+    return Cache(role=role, tensor=name, page_size=page_size, shape=tuple(shape),
+                 index=tuple(index), free=tuple(sorted(set(free))), runtime_dim=rdim,
+                 runtime_name=rname)
+
+
+def _nonneg_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a dimension number, got {value!r}")
+    return value
+
+
+def _parse_contract(errs: _Errors, name: str, data: Any, line: int) -> Contract | None:
+    path = f"contracts.{name}"
+    sec = _Section(errs, data, path, line, ("engine", "scales", "saturation",
+                                            "round_before_quant", "index_slots", "caches"))
+    if not sec.ok:
+        return None
+    n_before = len(errs.items)
+    if not _NAME.match(str(name)):
+        errs.add(line, path, f"a contract name must be a lower-case identifier, got {name!r}")
+    engine = sec.get("engine", _str)
+    scales = sec.get("scales", _list_of(KvScale.parse))
+    saturation = sec.get("saturation", Saturation.parse)
+    rbq = sec.get("round_before_quant", _bool, required=False, default=True)
+    slots = sec.get("index_slots", IndexSlots.parse)
+    caches_sec = _Section(errs, sec.data.get("caches", LocDict()), f"{path}.caches",
+                          sec.key_line("caches"), ("k", "v", "index"))
+    if "caches" not in sec.data:
+        errs.add(sec.line, f"{path}.caches", "missing required key")
+    caches: dict[str, Cache | None] = {}
+    for role in ("k", "v", "index"):
+        if role not in caches_sec.data:
+            if "caches" in sec.data:
+                errs.add(caches_sec.line, f"{path}.caches.{role}", "missing required key")
+            continue
+        caches[role] = _parse_cache(errs, caches_sec.data[role], f"{path}.caches.{role}",
+                                    caches_sec.key_line(role), role)
+    if len(errs.items) != n_before:
+        return None
+    k, v, idx = caches["k"], caches["v"], caches["index"]
+    assert k and v and idx
+    kv_tensors = {k.tensor, v.tensor}
+    if kv_tensors not in ({"k_cache", "v_cache"}, {"kv_cache"}) or k.tensor == "v_cache":
+        errs.add(caches_sec.line, f"{path}.caches",
+                 "k and v must live in k_cache and v_cache, or both in kv_cache; "
+                 f"got {k.tensor} and {v.tensor}")
+        return None
+    if idx.tensor != "index_cache":
+        errs.add(caches_sec.key_line("index"), f"{path}.caches.index.tensor",
+                 f"expected index_cache, got {idx.tensor}")
+        return None
+    if k.tensor == v.tensor and (k.shape, k.page_size, k.free) != (v.shape, v.page_size, v.free):
+        errs.add(caches_sec.key_line("v"), f"{path}.caches.v",
+                 "shares its tensor with k, so shape, page_size and free must match k's")
+        return None
+    if k.page_size != v.page_size:
+        errs.add(caches_sec.key_line("v"), f"{path}.caches.v.page_size",
+                 f"k and v share slot_mapping, so page sizes must match ({k.page_size} vs {v.page_size})")
+        return None
+    if slots is IndexSlots.SHARED and idx.page_size != k.page_size:
+        errs.add(sec.key_line("index_slots"), f"{path}.index_slots",
+                 "'shared' index slots need the index cache's page_size to equal the KV cache's")
+        return None
+    return Contract(name=name, engine=engine, scales=scales, saturation=saturation,
+                    round_before_quant=rbq, index_slots=slots, k=k, v=v, index=idx, line=line)
+
+
+# ----------------------------------------------------------------------------- variants
+_FRACTION = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
+
+
+def _rotary(value: Any, head_dim: int) -> int:
+    """`64` or a fraction of head_dim such as `1/2`."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number or a fraction like 1/2, got {value!r}")
+    if isinstance(value, int):
+        r = value
+    else:
+        m = _FRACTION.match(str(value))
+        if not m or int(m.group(2)) == 0:
+            raise ValueError(f"expected a number or a fraction like 1/2, got {value!r}")
+        num, den = int(m.group(1)), int(m.group(2))
+        if (head_dim * num) % den:
+            raise ValueError(f"{value} of head_dim {head_dim} is not a whole number")
+        r = head_dim * num // den
+    if r <= 0 or r % 2 or r > head_dim:
+        raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {r}")
+    return r
+
+
+def _check_head_dim(value: Any) -> int:
+    d = _pos_int(value)
+    # One head is spread over D/8 lanes of 16 bytes; that group must fit a 32-lane warp.
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim must be one of 16, 32, 64, 128, 256, got {d}")
+    return d
+
+
+_DEFAULT_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "dtype": DType.parse, "head_dim": _check_head_dim,
+    "rotary_dim": lambda v: _rotary(v, 256), "num_kv_heads": _pos_int,
+    "cos_sin": lambda v: v if v == "model" else DType.parse(v), "norm": Norm.parse,
+    "index_mode": IndexMode.parse, "index_dtype": IndexDtype.parse, "kv_scale": KvScale.parse,
+    "fp8": Fp8.parse,
+}
+
+
+def _axis_values(value: Any) -> list:
+    return list(value) if isinstance(value, list) else [value]
+
+
+class PointError(ValueError):
+    """One axis value that makes no variant; `axis` names it."""
+
+    def __init__(self, axis: str, message: str):
+        super().__init__(message)
+        self.axis = axis
+
+
+def make_variant(contracts: Mapping[str, Contract], p: Mapping[str, Any]) -> Variant:
+    """Build one variant from axis values (YAML spellings); raises PointError.
+
+    The runtime derives signatures through this same function, so a signature is
+    servable exactly when the YAML could list it."""
+    def parse(axis: str, fn: Callable[[Any], Any]) -> Any:
+        try:
+            return fn(p[axis])
+        except (ValueError, TypeError) as e:
+            raise PointError(axis, str(e)) from None
+
+    cname = p["contract"]
+    if cname not in contracts:
+        known = ", ".join(sorted(contracts)) or "none"
+        raise PointError("contract", f"unknown contract {cname!r} (known: {known})")
+    contract = contracts[cname]
+    dtype = parse("dtype", DType.parse)
+    if dtype is DType.FP32:
+        raise PointError("dtype", "the model dtype must be bf16 or fp16")
+    head_dim = parse("head_dim", _check_head_dim)
+    rotary = parse("rotary_dim", lambda v: _rotary(v, head_dim))
+    nkv = parse("num_kv_heads", _pos_int)
+    cos_sin = parse("cos_sin", lambda v: dtype if v == "model" else DType.parse(v))
+    norm = parse("norm", Norm.parse)
+    mode = parse("index_mode", IndexMode.parse)
+    idx_dtype = parse("index_dtype", IndexDtype.parse) if mode is IndexMode.FULL else None
+    kv_scale = parse("kv_scale", KvScale.parse)
+    if kv_scale not in contract.scales:
+        allowed = ", ".join(s.value for s in contract.scales)
+        raise PointError("kv_scale", f"contract {cname} allows kv_scale {allowed}, "
+                          f"not {kv_scale.value}")
+    uses_fp8 = kv_scale is not KvScale.NONE or idx_dtype is IndexDtype.FP8
+    fp8 = parse("fp8", Fp8.parse) if uses_fp8 else None
+    return Variant(contract=contract, dtype=dtype, head_dim=head_dim, rotary_dim=rotary,
+                   num_kv_heads=nkv, cos_sin=cos_sin, norm=norm, index_mode=mode,
+                   index_dtype=idx_dtype, kv_scale=kv_scale, fp8=fp8)
+
+
+def _matches(point: Mapping[str, Any], rule: Mapping[str, Any]) -> bool:
+    return all(str(point.get(k)) in {str(v) for v in _axis_values(rule[k])} for k in rule)
+
+
+def _parse_family(errs: _Errors, i: int, data: Any, line: int, defaults: Mapping[str, Any],
+                  contracts: Mapping[str, Contract], broken: set[str]) -> Family | None:
+    """Expand a family (product of its axes, minus excludes, plus includes) into variants.
+    Points on a contract that failed to parse are skipped: its errors are already reported."""
+    path = f"families[{i}]"
+    sec = _Section(errs, data, path, line, ("name", "axes", "exclude", "include"))
+    if not sec.ok:
+        return None
+    name = sec.get("name", _name)
+    if name:
+        path = f"families.{name}"
+        sec.path = path
+    axes = _Section(errs, sec.data.get("axes", LocDict()), f"{path}.axes", sec.key_line("axes"), AXES)
+    if "axes" not in sec.data:
+        errs.add(sec.line, f"{path}.axes", "missing required key")
+    for key, value in axes.data.items():
+        if isinstance(value, list) and not value:
+            errs.add(axes.key_line(key), f"{path}.axes.{key}", "an empty list selects nothing")
+    if "contract" not in axes.data and "axes" in sec.data:
+        errs.add(axes.line, f"{path}.axes.contract", "missing required key")
+    rules: dict[str, list[tuple[int, LocDict]]] = {}
+    for kind in ("exclude", "include"):
+        raw = sec.data.get(kind, [])
+        if not isinstance(raw, list):
+            errs.add(sec.key_line(kind), f"{path}.{kind}", "expected a list of axis mappings")
+            continue
+        rules[kind] = []
+        for j, rule in enumerate(raw):
+            rline = _line_of(raw, j, sec.key_line(kind))
+            rsec = _Section(errs, rule, f"{path}.{kind}[{j}]", rline, AXES)
+            if rsec.ok:
+                rules[kind].append((rline, rule))
+    if errs.items and any(it.split(": ", 2)[1].startswith(path) for it in errs.items):
+        return None
+
+    def product(fixed: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        names = list(AXES)
+        values = [_axis_values(fixed[n]) if n in fixed else _axis_values(defaults[n])
+                  for n in names]
+        for combo in itertools.product(*values):
+            yield dict(zip(names, combo))
+
+    points: list[tuple[dict[str, Any], int, str]] = []
+    for p in product(axes.data):
+        if not any(_matches(p, r) for _, r in rules["exclude"]):
+            points.append((p, sec.line, "axes"))
+    for j, (rline, rule) in enumerate(rules["include"]):
+        for p in product({**axes.data, **rule}):
+            points.append((p, rline, f"include[{j}]"))
+
+    variants: dict[str, Variant] = {}
+    reported: set[tuple[str, str]] = set()
+    skipped = 0
+    for p, pline, where in points:
+        if p["contract"] in broken:
+            skipped += 1
+            continue
+        try:
+            v = make_variant(contracts, p)
+        except PointError as e:
+            src = axes if where == "axes" else None
+            eline = src.key_line(e.axis) if src and e.axis in src.data else pline
+            if (e.axis, str(e)) not in reported:  # includes inherit the axes: say it once
+                reported.add((e.axis, str(e)))
+                errs.add(eline, f"{path}.{where}.{e.axis}", f"{e} (exclude it or change the axis)")
+            continue
+        variants[v.uri] = v
+    if not variants and not reported and not skipped:
+        errs.add(sec.line, path, "selects no variant (every combination is excluded)")
+    return Family(name=name or f"#{i}", line=sec.line, variants=tuple(sorted(variants.values(), key=lambda v: v.uri)))
+
+
+def parse_spec(text: str, filename: str = "variants.yaml") -> Spec:
+    errs = _Errors(filename)
+    try:
+        data = load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark else 0
+        raise SpecError([f"{filename}:{line}: {e.problem or e.context}"]) from None
+    top = _Section(errs, data if data is not None else LocDict(), "", 1,
+                   ("version", "defaults", "contracts", "families"))
+    if not top.ok:
+        raise SpecError(errs.items)
+    version = top.get("version", _pos_int)
+    if version not in (None, 1):
+        errs.add(top.key_line("version"), "version", f"this generator reads version 1, got {version}")
+    for key in ("defaults", "contracts", "families"):
+        if key not in top.data:
+            errs.add(1, key, "missing required key")
+    defaults_sec = _Section(errs, top.data.get("defaults", LocDict()), "defaults",
+                            top.key_line("defaults"), [a for a in AXES if a != "contract"])
+    for axis in AXES:
+        if axis != "contract" and axis not in defaults_sec.data and "defaults" in top.data:
+            errs.add(defaults_sec.line, f"defaults.{axis}", "missing required key")
+        if isinstance(defaults_sec.data.get(axis), list):
+            errs.add(defaults_sec.key_line(axis), f"defaults.{axis}", "a default is one value, not a list")
+        elif axis in defaults_sec.data:
+            defaults_sec.get(axis, _DEFAULT_CHECKS[axis])
+    contracts: dict[str, Contract] = {}
+    csec = _Section(errs, top.data.get("contracts", LocDict()), "contracts",
+                    top.key_line("contracts"), list(top.data.get("contracts") or {}))
+    broken: set[str] = set()
+    for name, body in csec.data.items():
+        c = _parse_contract(errs, name, body, csec.key_line(name))
+        if c:
+            contracts[name] = c
+        else:
+            broken.add(name)
+    families: list[Family] = []
+    raw_families = top.data.get("families", [])
+    if not isinstance(raw_families, list):
+        errs.add(top.key_line("families"), "families", "expected a list of families")
+        raw_families = []
+    if not defaults_sec.ok or any(it.split(": ", 2)[1].startswith("defaults") for it in errs.items):
+        raise SpecError(errs.items)  # every family point would repeat a defaults error
+    seen_names: dict[str, int] = {}
+    defaults = {**defaults_sec.data, "contract": None}
+    for i, body in enumerate(raw_families):
+        fam = _parse_family(errs, i, body, _line_of(raw_families, i, top.line), defaults, contracts,
+                            broken)
+        if fam:
+            if fam.name in seen_names:
+                errs.add(fam.line, f"families.{fam.name}",
+                         f"duplicate family name (first on line {seen_names[fam.name]})")
+            seen_names[fam.name] = fam.line
+            families.append(fam)
+    # Layout checks need concrete sizes, so they run per variant (codegen.layout).
+    from .layout import check_variant
+    checked: set[tuple[str, str]] = set()
+    for fam in families:
+        for v in fam.variants:
+            for role, message in check_variant(v):
+                key = (f"contracts.{v.contract.name}.caches.{role}", message)
+                if key not in checked:
+                    checked.add(key)
+                    errs.add(v.contract.line, key[0], f"{message} (in variant {v.uri})")
+    if errs.items:
+        raise SpecError(errs.items)
+    unique = {v.uri: v for fam in families for v in fam.variants}
+    return Spec(contracts=contracts, families=tuple(families), defaults=defaults_sec.data,
+                variants=tuple(unique[u] for u in sorted(unique)))
+
+
+def load_spec(path: str | Path) -> Spec:
+    path = Path(path)
+    return parse_spec(path.read_text(encoding="utf-8"), path.name)

@@ -1,0 +1,49 @@
+// The plain C ABI between runtime/abi.py (ctypes) and every generated kernel library.
+// Bump KVF_ABI_VERSION on any change; the loader refuses a library of another version.
+#pragma once
+
+#include <stdint.h>
+
+#define KVF_ABI_VERSION 1
+#define KVF_MAX_DIMS 8
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+  void* data;
+  int64_t capacity;                 // slots the tensor holds (pages * page_size)
+  int64_t strides[KVF_MAX_DIMS];    // element strides; only the contract's free dims are read
+} kvf_cache_t;
+
+typedef struct {
+  const void* qkv;                  // [T, row] model dtype, row stride below
+  const int64_t* positions;         // [T]
+  const void* cos_sin;              // [max_pos, rotary_dim]: cos | sin
+  const int64_t* slot_mapping;      // [num_slots]
+  const int64_t* index_slot_mapping;  // [num_index_slots]
+  const void* q_norm_weight;
+  const void* k_norm_weight;
+  const void* index_q_norm_weight;
+  const void* index_k_norm_weight;
+  const float* k_scale;             // [1] or [nkv] when the variant has one
+  const float* v_scale;
+  void* q_out;                      // [T, nq, D] contiguous
+  void* index_q_out;                // [T, niq, D] contiguous
+  kvf_cache_t k_cache;
+  kvf_cache_t v_cache;
+  kvf_cache_t index_cache;
+  int64_t qkv_row_stride;           // elements
+  int64_t max_pos;
+  int64_t num_slots;                // tokens past this write no K/V
+  int64_t num_index_slots;
+  int32_t num_tokens;
+  int32_t num_heads;
+  int32_t num_index_heads;
+  float eps;
+} kvf_args_t;
+
+#ifdef __cplusplus
+}
+#endif

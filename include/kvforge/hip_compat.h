@@ -1,0 +1,183 @@
+// kvforge portability layer: the kernels are written in the HIP dialect; this header
+// maps it onto CUDA under nvcc and onto HIP under hipcc / clang -x hip. It exists
+// because the HIP headers Debian ships are too old to build against CUDA 13.
+//
+// Everything the kernels need from the platform goes through a `kvf_` name here, so
+// no vendor intrinsic appears in the kernel body.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__HIPCC__) || defined(__HIP__) || defined(__HIP_PLATFORM_AMD__)
+#define KVF_HIP 1
+#include <hip/hip_runtime.h>
+#define KVF_GRID_CONSTANT
+#else
+#define KVF_CUDA 1
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+#include <cuda_fp8.h>
+#endif
+// The HIP runtime names the launcher uses.
+typedef cudaStream_t hipStream_t;
+typedef cudaError_t hipError_t;
+#define hipSuccess cudaSuccess
+#define hipErrorInvalidValue cudaErrorInvalidValue
+#define hipGetLastError cudaGetLastError
+#define hipGetErrorString cudaGetErrorString
+#define hipGetDevice cudaGetDevice
+#define hipDeviceGetAttribute cudaDeviceGetAttribute
+#define hipDeviceAttributeMultiprocessorCount cudaDevAttrMultiProcessorCount
+#define hipOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
+#define KVF_GRID_CONSTANT __grid_constant__
+#endif
+
+#define KVF_DEVICE __device__ __forceinline__
+
+namespace kvf {
+
+// ---- lanes ---------------------------------------------------------------------------
+// Shuffles stay inside an aligned group of `Width` lanes (one head). The group's lanes
+// always run together, so on CUDA the sync mask is just that group; AMD waves have no
+// masks. Nothing here assumes a warp of 32: groups are at most 32 lanes and divide
+// both 32 and 64.
+template <int Width>
+KVF_DEVICE unsigned group_mask() {
+#ifdef KVF_CUDA
+  if constexpr (Width == 32) {
+    return 0xffffffffu;
+  } else {
+    const unsigned lane = threadIdx.x & 31u;
+    return ((1u << Width) - 1u) << (lane & ~unsigned(Width - 1));
+  }
+#else
+  return 0u;
+#endif
+}
+
+template <int Width>
+KVF_DEVICE float shfl_xor(float v, int lane_mask) {
+#ifdef KVF_CUDA
+  return __shfl_xor_sync(group_mask<Width>(), v, lane_mask, Width);
+#else
+  return __shfl_xor(v, lane_mask, Width);
+#endif
+}
+
+template <int Width>
+KVF_DEVICE float shfl(float v, int src_lane) {
+#ifdef KVF_CUDA
+  return __shfl_sync(group_mask<Width>(), v, src_lane, Width);
+#else
+  return __shfl(v, src_lane, Width);
+#endif
+}
+
+// ---- bit casts -----------------------------------------------------------------------
+KVF_DEVICE float bits_to_float(uint32_t u) { return __uint_as_float(u); }
+KVF_DEVICE uint32_t float_to_bits(float f) { return __float_as_uint(f); }
+
+// ---- 16-bit float formats (held as raw bits so no vendor type leaks out) -------------
+struct BF16 {
+  static constexpr int kBytes = 2;
+  static KVF_DEVICE float to_float(uint32_t bits16) { return bits_to_float(bits16 << 16); }
+  // Round to nearest even; NaN stays NaN.
+  static KVF_DEVICE uint32_t from_float(float f) {
+#ifdef KVF_CUDA
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
+    const uint32_t u = float_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+#endif
+  }
+};
+
+struct FP16 {
+  static constexpr int kBytes = 2;
+  static KVF_DEVICE float to_float(uint32_t bits16) {
+#ifdef KVF_CUDA
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
+#else
+    return static_cast<float>(__builtin_bit_cast(_Float16, static_cast<uint16_t>(bits16)));
+#endif
+  }
+  static KVF_DEVICE uint32_t from_float(float f) {
+#ifdef KVF_CUDA
+    return __half_as_ushort(__float2half_rn(f));
+#else
+    return __builtin_bit_cast(uint16_t, static_cast<_Float16>(f));
+#endif
+  }
+};
+
+struct F32 {
+  static constexpr int kBytes = 4;
+};
+
+// ---- FP8 e4m3 -------------------------------------------------------------------------
+// Both flavours are produced by one exact software routine (round to nearest even), so
+// e4m3fnuz numerics are testable on NVIDIA. Callers clamp first when they saturate; an
+// unclamped value past the format's range becomes its NaN.
+//   e4m3fn:   bias 7, max 448, NaN 0x7f/0xff, signed zero.
+//   e4m3fnuz: bias 8, max 240, NaN 0x80, no negative zero.
+enum class Fp8 { E4M3FN, E4M3FNUZ };
+
+template <Fp8 F>
+struct Fp8Format {
+  static constexpr int kBias = F == Fp8::E4M3FN ? 7 : 8;
+  static constexpr float kMax = F == Fp8::E4M3FN ? 448.0f : 240.0f;
+};
+
+template <Fp8 F>
+KVF_DEVICE uint32_t fp8_from_float_soft(float f) {
+  constexpr int kBias = Fp8Format<F>::kBias;
+  constexpr uint32_t kNan = F == Fp8::E4M3FN ? 0x7fu : 0x80u;
+  const uint32_t u = float_to_bits(f);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t mag = u & 0x7fffffffu;
+  // Magnitudes at or past the first value that rounds beyond the largest finite code.
+  constexpr uint32_t kOverflow = F == Fp8::E4M3FN ? 0x43e80000u /* 464 */ : 0x43780000u /* 248 */;
+  uint32_t code;
+  if (mag > 0x7f800000u) {
+    return kNan;
+  } else if (mag > kOverflow || (mag == kOverflow && F == Fp8::E4M3FNUZ)) {
+    // 464 is a tie between 448 (even) and an invalid code; 248 ties to 256 (even): NaN.
+    return kNan | (F == Fp8::E4M3FN ? sign : 0u);
+  } else if (mag < uint32_t(127 + 1 - kBias) << 23) {
+    // Subnormal range: adding 2^(21 - bias) leaves the rounded multiple of the smallest
+    // subnormal in the low mantissa bits (the FPU rounds to nearest even for us).
+    const float magic = bits_to_float(uint32_t(127 + 21 - kBias) << 23);
+    code = float_to_bits(bits_to_float(mag) + magic) - float_to_bits(magic);
+  } else {
+    // Normal: rebias the exponent, then round the 20 dropped mantissa bits to even.
+    const uint32_t odd = (mag >> 20) & 1u;
+    code = (mag + (uint32_t(kBias - 127) << 23) + 0x7ffffu + odd) >> 20;
+  }
+  if (F == Fp8::E4M3FNUZ && code == 0) return 0u;  // no negative zero
+  return code | sign;
+}
+
+// Two values at once; the hardware converter where the target has one that matches the
+// software semantics (it saturates, so only for clamped input).
+template <Fp8 F, bool Clamped>
+KVF_DEVICE uint32_t fp8x2_from_float(float a, float b) {
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (F == Fp8::E4M3FN && Clamped) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  }
+#endif
+  return fp8_from_float_soft<F>(a) | (fp8_from_float_soft<F>(b) << 8);
+}
+
+// ---- 16-byte global memory access -------------------------------------------------
+template <int Bytes> struct Chunk;
+template <> struct Chunk<16> { using type = uint4; };
+template <> struct Chunk<8> { using type = uint2; };
+template <> struct Chunk<4> { using type = uint32_t; };
+template <> struct Chunk<2> { using type = uint16_t; };
+template <> struct Chunk<1> { using type = uint8_t; };
+
+}  // namespace kvf

@@ -1,0 +1,79 @@
+"""ctypes mirror of include/kvforge/abi.h (checked against the library at load)."""
+from __future__ import annotations
+
+import ctypes
+import re
+
+from codegen.paths import INCLUDE
+
+MAX_DIMS = 8
+
+
+def _header_version() -> int:
+    text = (INCLUDE / "kvforge" / "abi.h").read_text()
+    return int(re.search(r"#define KVF_ABI_VERSION (\d+)", text).group(1))
+
+
+ABI_VERSION = _header_version()
+
+
+class CacheArg(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("capacity", ctypes.c_int64),
+                ("strides", ctypes.c_int64 * MAX_DIMS)]
+
+
+class Args(ctypes.Structure):
+    _fields_ = [
+        ("qkv", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("cos_sin", ctypes.c_void_p),
+        ("slot_mapping", ctypes.c_void_p),
+        ("index_slot_mapping", ctypes.c_void_p),
+        ("q_norm_weight", ctypes.c_void_p),
+        ("k_norm_weight", ctypes.c_void_p),
+        ("index_q_norm_weight", ctypes.c_void_p),
+        ("index_k_norm_weight", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p),
+        ("v_scale", ctypes.c_void_p),
+        ("q_out", ctypes.c_void_p),
+        ("index_q_out", ctypes.c_void_p),
+        ("k_cache", CacheArg),
+        ("v_cache", CacheArg),
+        ("index_cache", CacheArg),
+        ("qkv_row_stride", ctypes.c_int64),
+        ("max_pos", ctypes.c_int64),
+        ("num_slots", ctypes.c_int64),
+        ("num_index_slots", ctypes.c_int64),
+        ("num_tokens", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("num_index_heads", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+    ]
+
+
+class KernelLibrary:
+    """A loaded variant library: `launch(args, stream)` raises on a launch error."""
+
+    def __init__(self, path: str, uri: str):
+        self.path = path
+        self.lib = ctypes.CDLL(path)  # OSError on a corrupt file: the registry rebuilds
+        self.lib.kvf_abi_version.restype = ctypes.c_int
+        self.lib.kvf_variant.restype = ctypes.c_char_p
+        self.lib.kvf_error_string.restype = ctypes.c_char_p
+        self.lib.kvf_error_string.argtypes = [ctypes.c_int]
+        self._launch = self.lib.kvf_launch
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p]
+        version = self.lib.kvf_abi_version()
+        if version != ABI_VERSION:
+            raise OSError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
+        got = self.lib.kvf_variant().decode()
+        if got != uri:
+            raise OSError(f"{path}: holds variant {got}, expected {uri}")
+        self.uri = uri
+
+    def launch(self, args: Args, stream: int) -> None:
+        code = self._launch(ctypes.byref(args), stream)
+        if code != 0:
+            raise RuntimeError(f"kvforge kernel {self.uri} failed to launch: "
+                               f"{self.lib.kvf_error_string(code).decode()} ({code})")

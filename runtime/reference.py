@@ -1,0 +1,178 @@
+"""The torch reference of SPEC §1-§3: fp32 math, the unfused path's rounding.
+
+It is the CPU implementation behind the public API and the oracle of the GPU
+tests. Cache writes go through the contract's own index expressions (evaluated on
+index tensors), so a new layout in variants.yaml is covered here as well.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from codegen.layout import VEC, access
+from codegen.model import Fp8, IndexMode, KvScale, Norm, Saturation, Variant
+
+FP8_DTYPES = {Fp8.E4M3FN: torch.float8_e4m3fn, Fp8.E4M3FNUZ: torch.float8_e4m3fnuz}
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def to_fp8(v: torch.Tensor, fmt: Fp8, saturate: bool) -> torch.Tensor:
+    """fp32 → FP8 (round to nearest even). Without saturation a value that rounds past
+    the format's max becomes its NaN, on every torch version (torch itself saturates
+    e4m3fn since 2.x but not e4m3fnuz)."""
+    dtype = FP8_DTYPES[fmt]
+    if saturate:
+        return v.clamp(-fmt.max, fmt.max).to(dtype)
+    out = v.clamp(-fmt.max, fmt.max).to(dtype).view(torch.uint8)
+    mag = v.abs()
+    if fmt is Fp8.E4M3FN:
+        nan = torch.where(v < 0, 0xFF, 0x7F).to(torch.uint8)
+        overflow = (mag > 464) | v.isnan()
+    else:
+        nan = torch.full_like(out, 0x80)
+        overflow = (mag >= 248) | v.isnan()
+    return torch.where(overflow, nan, out).view(dtype)
+
+
+def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """Σ x² over the last dim in one fixed fp32 order: each run of 8 dims in sequence,
+    then the runs pairwise by halving. It is the kernel's order (a lane's 8 values, then
+    a butterfly across lanes), so the two agree bit for bit; rotations that cancel would
+    otherwise magnify an order-dependent last bit past one ulp of the output."""
+    sq = (x * x).unflatten(-1, (-1, VEC))
+    s = sq[..., 0]
+    for j in range(1, VEC):
+        s = s + sq[..., j]
+    while s.shape[-1] > 1:
+        half = s.shape[-1] // 2
+        s = s[..., :half] + s[..., half:]
+    return s
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, norm: Norm) -> torch.Tensor:
+    """Per-head RMSNorm over the last dim in fp32; Gemma scales by (1 + w)."""
+    mean = sum_of_squares(x) / x.shape[-1]
+    inv = 1.0 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
+    wf = w.float()
+    return (x * inv) * (1.0 + wf if norm is Norm.GEMMA else wf)
+
+
+def rope(n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Partial NeoX rotation of n [T, H, D] at positions [T]; dims ≥ rotary_dim pass."""
+    half = rotary_dim // 2
+    cs = cos_sin[positions].float()
+    c, s = cs[:, None, :half], cs[:, None, half:rotary_dim]
+    a, b = n[..., :half], n[..., half:rotary_dim]
+    return torch.cat([a * c - b * s, b * c + a * s, n[..., rotary_dim:]], dim=-1)
+
+
+@dataclass
+class Tensors:
+    """The op's tensors after validation (None where the variant does not use one)."""
+
+    qkv: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    index_slot_mapping: Optional[torch.Tensor]
+    q_norm_weight: torch.Tensor
+    k_norm_weight: torch.Tensor
+    index_q_norm_weight: Optional[torch.Tensor]
+    index_k_norm_weight: Optional[torch.Tensor]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    index_cache: Optional[torch.Tensor]
+    k_scale: Optional[torch.Tensor]
+    v_scale: Optional[torch.Tensor]
+    q_out: torch.Tensor
+    index_q_out: Optional[torch.Tensor]
+    num_heads: int
+    num_index_heads: int
+    eps: float
+
+
+def _scatter(v: Variant, role: str, cache: torch.Tensor, slots: torch.Tensor,
+             values: torch.Tensor) -> None:
+    """Write values [N, H, D] (cache dtype) at slots [N] through the contract's offsets."""
+    keep = (slots >= 0)
+    acc = access(v, role)
+    capacity = cache.shape[acc.runtime_dim] * acc.page_size
+    keep &= slots < capacity
+    slots, values = slots[keep], values[keep]
+    if slots.numel() == 0:
+        return
+    heads, dim = values.shape[1], values.shape[2]
+    page = (slots // acc.page_size).view(-1, 1, 1)
+    off = (slots % acc.page_size).view(-1, 1, 1)
+    h = torch.arange(heads, device=slots.device).view(1, -1, 1)
+    d = torch.arange(dim, device=slots.device).view(1, 1, -1)
+    offsets = acc.offset_torch(page, off, h, d, cache.stride())
+    offsets = torch.as_tensor(offsets, device=slots.device).expand(values.shape)
+    bits = _BITS[cache.element_size()]
+    span = sum((s - 1) * st for s, st in zip(cache.shape, cache.stride())) + 1
+    flat = cache.view(bits).as_strided((span,), (1,))
+    flat[offsets.reshape(-1)] = values.reshape(-1).view(bits)
+
+
+def _assign_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """out[rows] = values[rows], through integer views (CPU index_put lacks FP8)."""
+    bits = _BITS[out.element_size()]
+    out.view(bits)[rows] = values.view(bits)[rows]
+
+
+def _quant_kv(v: Variant, x: torch.Tensor, scale: Optional[torch.Tensor], cache_dtype) -> torch.Tensor:
+    if v.kv_scale is KvScale.NONE:
+        return x.to(cache_dtype)
+    inv = torch.ones((), device=x.device)
+    if scale is not None:
+        inv = (1.0 / scale.float()).view(1, -1, 1)  # [1] or [nkv] broadcasts over heads
+    return to_fp8(x * inv, v.fp8, v.contract.saturation is Saturation.SATURATE)
+
+
+def run(v: Variant, t: Tensors) -> None:
+    """Compute everything the fused op writes, in place into t's outputs and caches."""
+    D, R, nkv = v.head_dim, v.rotary_dim, v.num_kv_heads
+    nq, niq = t.num_heads, t.num_index_heads
+    T = t.qkv.shape[0]
+    model = t.qkv.dtype
+    x = t.qkv.float().view(T, -1, D)
+    pos = t.positions.long()
+    valid_pos = (pos >= 0) & (pos < t.cos_sin_cache.shape[0])
+    pos_c = torch.where(valid_pos, pos, torch.zeros_like(pos))
+    rbq = v.contract.round_before_quant
+
+    def normed(heads: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return rope(rms_norm(heads, w, t.eps, v.norm), t.cos_sin_cache, pos_c, R)
+
+    # Outputs of tokens whose position has no cos/sin row are left alone, as the kernel does.
+    q = normed(x[:, :nq], t.q_norm_weight)
+    _assign_rows(t.q_out.view(T, nq, D), valid_pos, q.to(model))
+    k = normed(x[:, nq:nq + nkv], t.k_norm_weight)
+    k_src = k.to(model).float() if rbq else k
+    vv = x[:, nq + nkv:nq + 2 * nkv]
+    n_slots = t.slot_mapping.numel()
+    slots = t.slot_mapping.long()
+    k_slots = torch.where(valid_pos[:n_slots], slots, torch.full_like(slots, -1))
+    k_vals = _quant_kv(v, k_src[:n_slots], t.k_scale, t.k_cache.dtype)
+    v_vals = _quant_kv(v, vv[:n_slots], t.v_scale, t.v_cache.dtype)
+    _scatter(v, "k", t.k_cache, k_slots, k_vals)
+    _scatter(v, "v", t.v_cache, slots, v_vals)
+    if v.index_mode is not IndexMode.FULL:
+        return
+    base = nq + 2 * nkv
+    iq = normed(x[:, base:base + niq], t.index_q_norm_weight)
+    ik = normed(x[:, base + niq:base + niq + 1], t.index_k_norm_weight)
+    if v.index_fp8:
+        iq_out = to_fp8(iq, v.fp8, saturate=True)
+        ik_src = ik.to(model).float() if rbq else ik
+        ik_vals = to_fp8(ik_src, v.fp8, saturate=True)
+    else:
+        iq_out = iq.to(model)
+        ik_vals = ik.to(model)
+    _assign_rows(t.index_q_out.view(T, niq, D), valid_pos, iq_out)
+    n_islots = t.index_slot_mapping.numel()
+    islots = t.index_slot_mapping.long()
+    islots = torch.where(valid_pos[:n_islots], islots, torch.full_like(islots, -1))
+    _scatter(v, "index", t.index_cache, islots, ik_vals[:n_islots])

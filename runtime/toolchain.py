@@ -1,0 +1,111 @@
+"""Which compiler builds the kernels here, its version, the GPU arch and the flags.
+
+nvcc on NVIDIA, hipcc on ROCm. Everything that changes the binary (compiler
+version, arch, flags) is part of `Toolchain` and so of the build cache key.
+Detection takes its probes as arguments so the ROCm path is testable without ROCm.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from codegen.paths import INCLUDE
+
+# Contraction off so the kernel rounds like the unfused torch path (mul, then add).
+NVCC_FLAGS = ("-x", "cu", "-std=c++17", "-O3", "--fmad=false", "-Xcompiler", "-fPIC", "-shared",
+              "-Werror", "all-warnings")
+HIPCC_FLAGS = ("-x", "hip", "-std=c++17", "-O3", "-ffp-contract=off", "-fPIC", "-shared",
+               "-Werror")
+
+
+class ToolchainError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    kind: str          # "nvcc" | "hipcc"
+    compiler: str      # path
+    version: str       # e.g. "13.0.88"
+    arch: str          # e.g. "sm_90", "gfx942"
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        if self.kind == "nvcc":
+            num = self.arch.removeprefix("sm_")
+            return NVCC_FLAGS + (f"-gencode=arch=compute_{num},code=sm_{num}",)
+        return HIPCC_FLAGS + (f"--offload-arch={self.arch}",)
+
+    def command(self, source: str, output: str) -> list[str]:
+        return [self.compiler, *self.flags, f"-I{INCLUDE}", "-o", output, source]
+
+
+def _run(cmd: list[str]) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+def _nvcc_version(out: str) -> str:
+    m = re.search(r"release [\d.]+, V([\d.]+)", out)
+    if not m:
+        raise ToolchainError(f"cannot read the nvcc version from: {out.strip()[-200:]}")
+    return m.group(1)
+
+
+def _hipcc_version(out: str) -> str:
+    m = re.search(r"HIP version: ([\w.\-]+)", out)
+    if not m:
+        raise ToolchainError(f"cannot read the hipcc version from: {out.strip()[-200:]}")
+    return m.group(1)
+
+
+def _device_arch(is_rocm: bool) -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ToolchainError("no GPU is visible to torch; set KVFORGE_ARCH (e.g. sm_90, gfx942) "
+                             "to build without one")
+    if is_rocm:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.split(":")[0]
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def detect(*, is_rocm: Optional[bool] = None, which: Callable[[str], Optional[str]] = shutil.which,
+           run: Callable[[list[str]], str] = _run, arch: Optional[str] = None,
+           env: Optional[dict] = None) -> Toolchain:
+    """Find the compiler for this platform. `KVFORGE_ARCH` overrides the device's arch."""
+    env = os.environ if env is None else env
+    if is_rocm is None:
+        import torch
+        is_rocm = torch.version.hip is not None
+    arch = arch or env.get("KVFORGE_ARCH") or _device_arch(is_rocm)
+    if is_rocm:
+        home = env.get("ROCM_PATH") or env.get("HIP_PATH") or "/opt/rocm"
+        compiler = which("hipcc") or _existing(Path(home) / "bin" / "hipcc")
+        if not compiler:
+            raise ToolchainError(f"hipcc not found on PATH or under ROCM_PATH ({home})")
+        if not arch.startswith("gfx"):
+            raise ToolchainError(f"hipcc builds for gfx targets, got arch {arch!r}")
+        return Toolchain("hipcc", compiler, _hipcc_version(run([compiler, "--version"])), arch)
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH") or "/usr/local/cuda"
+    compiler = which("nvcc") or _existing(Path(home) / "bin" / "nvcc")
+    if not compiler:
+        raise ToolchainError(f"nvcc not found on PATH or under CUDA_HOME ({home})")
+    if not re.fullmatch(r"sm_\d+a?", arch):
+        raise ToolchainError(f"nvcc builds for sm_XX targets, got arch {arch!r}")
+    return Toolchain("nvcc", compiler, _nvcc_version(run([compiler, "--version"])), arch)
+
+
+def _existing(p: Path) -> Optional[str]:
+    return str(p) if p.exists() else None
+
+
+@functools.lru_cache(maxsize=None)
+def default(arch: Optional[str] = None) -> Toolchain:
+    return detect(arch=arch)

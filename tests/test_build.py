@@ -1,0 +1,125 @@
+"""Toolchain detection, the build cache and the registry (nvcc needed, no GPU)."""
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from codegen.model import make_variant
+from codegen.paths import ROOT
+from runtime import build, toolchain
+from runtime.abi import KernelLibrary
+from runtime.registry import Registry, UnlistedVariantWarning, listed, source_of, spec
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+NVCC_OUT = "nvcc: NVIDIA (R) Cuda compiler driver\nCuda compilation tools, release 13.0, V13.0.88\n"
+HIPCC_OUT = "HIP version: 6.2.41134-65d174c3e\nAMD clang version 18.0.0git\n"
+
+
+def fake_which(found):
+    return lambda name: found.get(name)
+
+
+def test_detect_nvcc_with_fakes():
+    tc = toolchain.detect(is_rocm=False, which=fake_which({"nvcc": "/x/nvcc"}),
+                          run=lambda cmd: NVCC_OUT, arch="sm_90", env={})
+    assert (tc.kind, tc.compiler, tc.version, tc.arch) == ("nvcc", "/x/nvcc", "13.0.88", "sm_90")
+    assert "-gencode=arch=compute_90,code=sm_90" in tc.flags and "--fmad=false" in tc.flags
+
+
+def test_detect_hipcc_with_fakes():
+    tc = toolchain.detect(is_rocm=True, which=fake_which({"hipcc": "/opt/rocm/bin/hipcc"}),
+                          run=lambda cmd: HIPCC_OUT, env={"KVFORGE_ARCH": "gfx942"})
+    assert (tc.kind, tc.version, tc.arch) == ("hipcc", "6.2.41134-65d174c3e", "gfx942")
+    assert "--offload-arch=gfx942" in tc.flags and "-ffp-contract=off" in tc.flags
+    assert tc.command("a.hip", "a.so")[0] == "/opt/rocm/bin/hipcc"
+
+
+def test_detect_errors_are_actionable():
+    with pytest.raises(toolchain.ToolchainError, match=r"hipcc not found on PATH or under ROCM_PATH \(/r\)"):
+        toolchain.detect(is_rocm=True, which=fake_which({}), run=lambda c: "", arch="gfx942",
+                         env={"ROCM_PATH": "/r"})
+    with pytest.raises(toolchain.ToolchainError, match="hipcc builds for gfx targets, got arch 'sm_90'"):
+        toolchain.detect(is_rocm=True, which=fake_which({"hipcc": "h"}), run=lambda c: HIPCC_OUT,
+                         arch="sm_90", env={})
+
+
+def test_cache_key_covers_source_compiler_arch_and_flags():
+    tc = toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_90")
+    keys = {build.cache_key("src", tc), build.cache_key("src2", tc),
+            build.cache_key("src", toolchain.Toolchain("nvcc", "nvcc", "13.0.89", "sm_90")),
+            build.cache_key("src", toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_100")),
+            build.cache_key("src", toolchain.Toolchain("hipcc", "nvcc", "13.0.88", "sm_90"))}
+    assert len(keys) == 5
+
+
+UNLISTED = make_variant(spec().contracts, {
+    "contract": "vllm_shuffle16", "dtype": "fp16", "head_dim": 64, "rotary_dim": 32,
+    "num_kv_heads": 2, "cos_sin": "fp32", "norm": "plain", "index_mode": "full",
+    "index_dtype": "fp8", "kv_scale": "per_tensor", "fp8": "e4m3fnuz"})
+
+
+@pytest.fixture(scope="module")
+def nvcc_sm90():
+    return toolchain.detect(is_rocm=False, arch="sm_90")
+
+
+@needs_nvcc
+def test_unlisted_signature_is_rendered_built_and_explained(nvcc_sm90, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    assert UNLISTED not in listed()
+    with pytest.warns(UnlistedVariantWarning) as record:
+        lib = Registry().get(UNLISTED, nvcc_sm90)
+    assert lib.uri == UNLISTED.uri
+    hint = str(record[0].message)
+    assert "is not in variants.yaml" in hint and "contract: vllm_shuffle16" in hint
+    assert "head_dim: 64" in hint and "python -m codegen" in hint
+
+
+@needs_nvcc
+def test_corrupt_library_is_rebuilt(nvcc_sm90, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    v = spec().variants[0]
+    job = build.Job(v.uri, source_of(v))
+    path = build.build(job, nvcc_sm90)
+    path.write_bytes(b"\x7fELF truncated")
+    with pytest.raises(OSError):
+        KernelLibrary(str(path), v.uri)
+    lib = Registry().get(v, nvcc_sm90)  # rebuilds instead of crashing
+    assert lib.uri == v.uri and path.stat().st_size > 1000
+
+
+@needs_nvcc
+def test_concurrent_builds_build_once(nvcc_sm90, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    v = spec().variants[1]
+    job = build.Job(v.uri, source_of(v))
+    calls, real = [], build.run_ninja
+
+    def counting(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(build, "run_ninja", counting)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(build.build(job, nvcc_sm90))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(paths)) == 1 and len(calls) == 1
+    assert not list(paths[0].parent.glob("*.tmp"))
+
+
+@needs_nvcc
+def test_every_generated_variant_compiles_for_sm90(tmp_path):
+    """CI's compile check: the same command the README documents."""
+    proc = subprocess.run([sys.executable, "-m", "codegen", "compile", "--target", "sm_90"],
+                          cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "KVFORGE_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n = len(spec().variants)
+    assert f"sm_90: {n}/{n} variants compiled" in proc.stdout
+    print(proc.stdout)
