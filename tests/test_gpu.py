@@ -125,3 +125,12 @@ def test_out_of_range_slots_and_positions_are_guarded():
     args["positions"][1] = args["cos_sin_cache"].shape[0] + 3
     stats = check_against_reference(args, fused_qknorm_rope_cache)
     assert stats["q_out"]["addressed"] == 15 * 8 * v.head_dim
+
+
+def test_vllm_nhd_views_unbound_from_one_allocation():
+    v = next(x for x in VARIANTS if x.contract.name == "vllm_nhd" and x.kv_scale.value == "per_head")
+    args = make_inputs(v, 300, 16, 2, slots="prefill", pad=7, device="cuda", seed=9)
+    both = torch.empty((args["k_cache"].shape[0], 2, *args["k_cache"].shape[1:]),
+                       dtype=args["k_cache"].dtype, device="cuda")
+    args["k_cache"], args["v_cache"] = both.unbind(1)
+    check_against_reference(args, fused_qknorm_rope_cache)

@@ -22,6 +22,10 @@ def read_k(contract, cache, slot, D):
         return cache[page, :, :, off, :].reshape(cache.shape[1], D)  # [h, d//x, x] -> [h, d]
     if contract == "sglang_nhd":
         return cache[slot]
+    if contract == "vllm_nhd":
+        return cache[slot // 16, slot % 16]                   # [pages, 16, nkv, D]
+    if contract == "vllm_m3":
+        return cache[slot // 128, :, slot % 128, :D]          # [pages, nkv, 128, 2D]: K half
     raise KeyError(contract)
 
 
@@ -30,6 +34,8 @@ def read_v(contract, cache, slot, D):
         x = 16 // cache.element_size()
         page, off = divmod(slot, 16)
         return cache[page, :, off // x, :, off % x]
+    if contract == "vllm_m3":
+        return cache[slot // 128, :, slot % 128, D:]          # V half
     return read_k(contract, cache, slot, D)
 
 
@@ -46,7 +52,7 @@ def close(a, b, what):
     torch.testing.assert_close(a, b, rtol=2 ** -2 if fp8 else 2 ** -6, atol=2 ** -5, msg=what)
 
 
-CASES = [v for v in SPEC.variants if v.contract.name in ("vllm_shuffle16", "sglang_nhd")][::3]
+CASES = SPEC.variants[::3]
 
 
 @pytest.mark.parametrize("variant", CASES, ids=lambda v: v.uri)
@@ -72,10 +78,12 @@ def test_reference_matches_the_spec_loop(variant):
     D, c = variant.head_dim, variant.contract.name
     close(q, loop["q_out"], "q_out")
     assert len(loop["k"]) == 8  # 11 tokens, 3 padded
+    k_cache = args.get("k_cache", args.get("kv_cache"))
+    v_cache = args.get("v_cache", args.get("kv_cache"))
     for t, (slot, k) in loop["k"].items():
-        close(read_k(c, args["k_cache"], slot, D), k, f"k[{t}]")
+        close(read_k(c, k_cache, slot, D), k, f"k[{t}]")
     for t, (slot, v) in loop["v"].items():
-        got = read_v(c, args["v_cache"], slot, D).contiguous()
+        got = read_v(c, v_cache, slot, D).contiguous()
         assert torch.equal(got.view(torch.uint8), v.view(torch.uint8)), f"v[{t}]"  # V is a copy
     if full:
         close(iq, loop["index_q_out"], "index_q_out")
@@ -94,3 +102,15 @@ def test_fp8_conversion_semantics():
     assert nuz[:6] == [0x80, 0x80, 0x80, 0x80, 0x80, 0x7F]  # 250 -> NaN, 247 -> 240
     assert nuz[7] == 0  # e4m3fnuz has no negative zero
     assert to_fp8(v, Fp8.E4M3FNUZ, True).float()[:2].tolist() == [240.0, -240.0]
+
+
+def test_vllm_nhd_accepts_k_and_v_unbound_from_one_tensor():
+    v = next(x for x in SPEC.variants if x.contract.name == "vllm_nhd" and x.num_kv_heads == 4
+             and x.kv_scale.value == "none" and x.index_dtype.value == "model")
+    args = make_inputs(v, 9, 4, 2, seed=2)
+    both = torch.zeros((args["k_cache"].shape[0], 2, *args["k_cache"].shape[1:]), dtype=torch.bfloat16)
+    args["k_cache"], args["v_cache"] = both.unbind(1)
+    fused_qknorm_rope_cache(**args)
+    sm = args["slot_mapping"]
+    x = args["qkv"].view(9, -1, 128)
+    assert torch.equal(both[sm // 16, 1, sm % 16], x[:, 8:12])  # V rows landed in the V half
