@@ -7,6 +7,7 @@ frozen dataclasses and strict enums, so nothing downstream re-validates.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -166,7 +167,7 @@ class Variant:
     def index_fp8(self) -> bool:
         return self.index_dtype is IndexDtype.FP8
 
-    @property
+    @functools.cached_property
     def uri(self) -> str:
         """The procedural name: spells every compile-time parameter, C-identifier safe."""
         idx = self.index_mode.value
@@ -181,6 +182,11 @@ class Variant:
         if self.fp8 is not None:
             parts.append(self.fp8.value)
         return "_".join(parts)
+
+    def __hash__(self) -> int:
+        # The name spells every field but the contract's body; hashing it instead of the
+        # nested layout trees keeps dispatch lookups cheap.
+        return hash(self.uri)
 
     def axes(self) -> dict[str, str]:
         """The variant as the YAML would write it (used in messages and manifests)."""

@@ -41,8 +41,9 @@ _PARAMS = (("c", "const kvf_cache_t& c"), ("page", "int64_t page"), ("off", "uin
 def kernel_sources() -> dict[str, bytes]:
     """The template and headers every generated file depends on, by relative name."""
     files = {f"templates/{_TEMPLATE}": (TEMPLATES / _TEMPLATE).read_bytes()}
-    for p in sorted(INCLUDE.rglob("*.h*")):
-        files[p.relative_to(INCLUDE.parent).as_posix()] = p.read_bytes()
+    for p in sorted(INCLUDE.rglob("*")):
+        if p.is_file():
+            files[p.relative_to(INCLUDE.parent).as_posix()] = p.read_bytes()
     return files
 
 

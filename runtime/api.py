@@ -23,56 +23,62 @@ from .validate import check, check_ranges
 Tensor = torch.Tensor
 
 
-def _cache_arg(dst, cache: Optional[Tensor], capacity_dim: int, page_size: int) -> None:
+class _Plan:
+    """What one variant's launch needs besides the tensors, looked up once."""
+
+    def __init__(self, variant) -> None:
+        from codegen.layout import access
+
+        self.lib = REGISTRY.get(variant)
+        self.pages = {role: (access(variant, role).runtime_dim, access(variant, role).page_size)
+                      for role in ("k", "v", "index")}
+
+
+_PLANS: dict = {}
+
+
+def _current_stream(device: torch.device) -> int:
+    # The raw handle without building a torch Stream object (a few µs per call).
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None
+                                               else torch.cuda.current_device())
+
+
+def _cache_arg(dst, cache: Optional[Tensor], dims: tuple[int, int]) -> None:
     if cache is None:
         return
     dst.data = cache.data_ptr()
-    dst.capacity = cache.shape[capacity_dim] * page_size
+    dst.capacity = cache.shape[dims[0]] * dims[1]
     for i, s in enumerate(cache.stride()):
         dst.strides[i] = s
 
 
 def _launch(variant, t: reference.Tensors) -> None:
-    from codegen.layout import access
-
     T = t.qkv.shape[0]
     if T == 0:
         return
-    a = Args()
+    plan = _PLANS.get(variant)
+    if plan is None:
+        plan = _PLANS[variant] = _Plan(variant)
     ptr = lambda x: x.data_ptr() if x is not None else None  # noqa: E731
-    a.qkv = t.qkv.data_ptr()
-    a.positions = t.positions.data_ptr()
-    a.cos_sin = t.cos_sin_cache.data_ptr()
-    a.slot_mapping = t.slot_mapping.data_ptr()
-    a.index_slot_mapping = ptr(t.index_slot_mapping)
-    a.q_norm_weight = t.q_norm_weight.data_ptr()
-    a.k_norm_weight = t.k_norm_weight.data_ptr()
-    a.index_q_norm_weight = ptr(t.index_q_norm_weight)
-    a.index_k_norm_weight = ptr(t.index_k_norm_weight)
-    a.k_scale = ptr(t.k_scale)
-    a.v_scale = ptr(t.v_scale)
-    a.q_out = t.q_out.data_ptr()
-    a.index_q_out = ptr(t.index_q_out)
-    for role, dst, cache in (("k", a.k_cache, t.k_cache), ("v", a.v_cache, t.v_cache),
-                             ("index", a.index_cache, t.index_cache)):
-        if cache is not None:
-            acc = access(variant, role)
-            _cache_arg(dst, cache, acc.runtime_dim, acc.page_size)
-    a.qkv_row_stride = t.qkv.stride(0)
-    a.max_pos = t.cos_sin_cache.shape[0]
-    a.num_slots = t.slot_mapping.numel()
-    a.num_index_slots = t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0
-    a.num_tokens = T
-    a.num_heads = t.num_heads
-    a.num_index_heads = t.num_index_heads
-    a.eps = t.eps
-    lib = REGISTRY.get(variant)
+    a = Args(
+        qkv=t.qkv.data_ptr(), positions=t.positions.data_ptr(), cos_sin=t.cos_sin_cache.data_ptr(),
+        slot_mapping=t.slot_mapping.data_ptr(), index_slot_mapping=ptr(t.index_slot_mapping),
+        q_norm_weight=t.q_norm_weight.data_ptr(), k_norm_weight=t.k_norm_weight.data_ptr(),
+        index_q_norm_weight=ptr(t.index_q_norm_weight), index_k_norm_weight=ptr(t.index_k_norm_weight),
+        k_scale=ptr(t.k_scale), v_scale=ptr(t.v_scale), q_out=t.q_out.data_ptr(),
+        index_q_out=ptr(t.index_q_out), qkv_row_stride=t.qkv.stride(0),
+        max_pos=t.cos_sin_cache.shape[0], num_slots=t.slot_mapping.numel(),
+        num_index_slots=t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0,
+        num_tokens=T, num_heads=t.num_heads, num_index_heads=t.num_index_heads, eps=t.eps)
+    _cache_arg(a.k_cache, t.k_cache, plan.pages["k"])
+    _cache_arg(a.v_cache, t.v_cache, plan.pages["v"])
+    _cache_arg(a.index_cache, t.index_cache, plan.pages["index"])
     device = t.qkv.device
     if device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
-            lib.launch(a, torch.cuda.current_stream(device).cuda_stream)
+            plan.lib.launch(a, _current_stream(device))
     else:
-        lib.launch(a, torch.cuda.current_stream(device).cuda_stream)
+        plan.lib.launch(a, _current_stream(device))
 
 
 def _impl(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, slot_mapping: Tensor,
@@ -83,6 +89,16 @@ def _impl(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, slot_mapping: T
           q_out: Tensor, index_q_out: Optional[Tensor], num_heads: int, num_kv_heads: int,
           num_index_heads: int, rotary_dim: int, eps: float, contract: str, index_mode: str,
           norm: str, checked: bool) -> None:
+    _run(qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
+         k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
+         k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
+         eps, contract, index_mode, norm, checked, qkv.device.type == "cpu")
+
+
+def _run(qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
+         k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
+         k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
+         eps, contract, index_mode, norm, checked, use_reference) -> None:
     variant, t = check(
         contract=contract, index_mode=index_mode, norm=norm, qkv=qkv, positions=positions,
         cos_sin_cache=cos_sin_cache, slot_mapping=slot_mapping, k_cache=k_cache, v_cache=v_cache,
@@ -93,7 +109,7 @@ def _impl(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, slot_mapping: T
         k_scale=k_scale, v_scale=v_scale, q_out=q_out, index_q_out=index_q_out)
     if checked:
         check_ranges(variant, t)
-    if qkv.device.type == "cpu":
+    if use_reference:
         reference.run(variant, t)
     else:
         _launch(variant, t)
@@ -138,6 +154,7 @@ def fused_qknorm_rope_cache(
     index_mode: str = "full",
     norm: str = "gemma",
     checked: bool = False,
+    _reference: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """QK RMSNorm + partial NeoX RoPE + KV-cache and index-cache insert, in one launch.
 
@@ -151,9 +168,19 @@ def fused_qknorm_rope_cache(
             and isinstance(qkv, Tensor) and isinstance(q_norm_weight, Tensor)):
         index_q_out = torch.empty((qkv.shape[0], num_index_heads, q_norm_weight.numel()),
                                   dtype=index_cache.dtype, device=qkv.device)
-    fn = _op if torch.compiler.is_compiling() else _impl
-    fn(qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
-       k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
-       k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
-       float(eps), contract, index_mode, norm, checked)
+    args = (qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
+            k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
+            k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
+            float(eps), contract, index_mode, norm, checked)
+    if _reference:
+        _run(*args, use_reference=True)
+    elif torch.compiler.is_compiling():
+        _op(*args)
+    else:
+        _impl(*args)
     return q_out, (index_q_out if index_mode == "full" else None)
+
+
+def reference_qknorm_rope_cache(*args, **kwargs) -> tuple[Tensor, Optional[Tensor]]:
+    """`fused_qknorm_rope_cache` computed by the torch reference on any device."""
+    return fused_qknorm_rope_cache(*args, _reference=True, **kwargs)

@@ -93,27 +93,29 @@ class Tensors:
     eps: float
 
 
-def _scatter(v: Variant, role: str, cache: torch.Tensor, slots: torch.Tensor,
-             values: torch.Tensor) -> None:
-    """Write values [N, H, D] (cache dtype) at slots [N] through the contract's offsets."""
-    keep = (slots >= 0)
+def write_slots(v: Variant, role: str, cache: torch.Tensor, slots: torch.Tensor,
+                values: torch.Tensor) -> None:
+    """Write values [N, H, D] (cache dtype) at valid slots [N] through the contract's
+    offsets. No data-dependent shapes, so it also serves CUDA graphs and torch.compile."""
     acc = access(v, role)
-    capacity = cache.shape[acc.runtime_dim] * acc.page_size
-    keep &= slots < capacity
-    slots, values = slots[keep], values[keep]
-    if slots.numel() == 0:
-        return
-    heads, dim = values.shape[1], values.shape[2]
     page = (slots // acc.page_size).view(-1, 1, 1)
     off = (slots % acc.page_size).view(-1, 1, 1)
-    h = torch.arange(heads, device=slots.device).view(1, -1, 1)
-    d = torch.arange(dim, device=slots.device).view(1, 1, -1)
-    offsets = acc.offset_torch(page, off, h, d, cache.stride())
-    offsets = torch.as_tensor(offsets, device=slots.device).expand(values.shape)
+    h = torch.arange(values.shape[1], device=slots.device).view(1, -1, 1)
+    d = torch.arange(values.shape[2], device=slots.device).view(1, 1, -1)
+    offsets = torch.as_tensor(acc.offset_torch(page, off, h, d, cache.stride()), device=slots.device)
     bits = _BITS[cache.element_size()]
     span = sum((s - 1) * st for s, st in zip(cache.shape, cache.stride())) + 1
     flat = cache.view(bits).as_strided((span,), (1,))
-    flat[offsets.reshape(-1)] = values.reshape(-1).view(bits)
+    flat[offsets.expand(values.shape).reshape(-1)] = values.reshape(-1).view(bits)
+
+
+def _scatter(v: Variant, role: str, cache: torch.Tensor, slots: torch.Tensor,
+             values: torch.Tensor) -> None:
+    """write_slots for the tokens whose slot is valid (padding and out-of-range skipped)."""
+    acc = access(v, role)
+    keep = (slots >= 0) & (slots < cache.shape[acc.runtime_dim] * acc.page_size)
+    if bool(keep.any()):
+        write_slots(v, role, cache, slots[keep], values[keep])
 
 
 def _assign_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:

@@ -91,7 +91,9 @@ def make_inputs(v: Variant, num_tokens: int, num_heads: int, num_index_heads: in
     D, nkv = v.head_dim, v.num_kv_heads
     full = v.index_mode is IndexMode.FULL
     row_heads = num_heads + 2 * nkv + (num_index_heads + 1 if v.index_mode is not IndexMode.NONE else 0)
-    qkv = (torch.randn((num_tokens, row_heads * D), generator=gen) * 2.0).to(model)
+    # The big input is drawn where it will live (a GPU draws 1 GB in milliseconds).
+    dev_gen = gen if torch.device(device).type == "cpu" else torch.Generator(device).manual_seed(seed)
+    qkv = (torch.randn((num_tokens, row_heads * D), generator=dev_gen, device=device) * 2.0).to(model)
     positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
     cs_dtype = _MODEL[v.cos_sin.value]
     if cos_sin == "trig":
@@ -146,12 +148,23 @@ def _base(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
-def _copy_view(t: torch.Tensor, device, invert: bool = False) -> torch.Tensor:
-    """t re-created on `device` over a copy of its whole allocation (padding included)."""
-    base = _base(t).detach().to(device, copy=True)
-    if invert:
-        base.view(torch.uint8).bitwise_not_()
-    return base.as_strided(t.size(), t.stride(), t.storage_offset())
+def _copy_args(args: dict, device, invert: bool) -> dict:
+    """args with every tensor re-created on `device` over a copy of its whole allocation
+    (padding included; views of one allocation stay views of one copy). With `invert`,
+    the outputs' and caches' bytes are complemented."""
+    copies: dict[int, torch.Tensor] = {}
+    out = {}
+    for key, t in args.items():
+        if not isinstance(t, torch.Tensor):
+            out[key] = t
+            continue
+        base = _base(t)
+        if id(base) not in copies:
+            copies[id(base)] = base.detach().to(device, copy=True)
+            if invert and key in MUTABLE:
+                copies[id(base)].view(torch.uint8).bitwise_not_()
+        out[key] = copies[id(base)].as_strided(t.size(), t.stride(), t.storage_offset())
+    return out
 
 
 def with_outputs(args: dict) -> dict:
@@ -177,19 +190,18 @@ def poison(args: dict, seed: int = 1) -> None:
         base.view(torch.uint8).view(-1).copy_(raw.to(base.device))
 
 
-def check_against_reference(args: dict, run, seed: int = 1) -> dict:
+def check_against_reference(args: dict, run, seed: int = 1, ref_device="cpu") -> dict:
     """Run `run(**args)` (the kernel) on poisoned outputs and compare every byte of every
-    output and cache with the CPU reference run on the same and on the complementary
-    poison (see `compare`). Returns per-tensor statistics."""
-    from .api import fused_qknorm_rope_cache
+    output and cache with the reference run on the same and on the complementary poison
+    (see `compare`), on `ref_device`. Returns per-tensor statistics."""
+    from .api import reference_qknorm_rope_cache
 
     args = with_outputs(args)
     poison(args, seed)
     refs = []
     for invert in (False, True):
-        ref = {k: (_copy_view(v, "cpu", invert and k in MUTABLE) if isinstance(v, torch.Tensor) else v)
-               for k, v in args.items()}
-        fused_qknorm_rope_cache(**ref)
+        ref = _copy_args(args, ref_device, invert)
+        reference_qknorm_rope_cache(**ref)
         refs.append(ref)
     run(**args)
     stats = {}
@@ -223,7 +235,8 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, ref_other_poison: t
     """
     n = got.element_size()
     iv = _INT_VIEW[n]
-    g, r, r2 = (x.detach().cpu().contiguous().view(iv).flatten() for x in (got, ref, ref_other_poison))
+    got = got.detach().to(ref.device)  # compare where the reference lives
+    g, r, r2 = (x.contiguous().view(iv).flatten() for x in (got, ref, ref_other_poison))
     addressed = r == r2
     untouched_bad = (~addressed) & (g != r)
     if bool(untouched_bad.any()):
@@ -235,8 +248,8 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, ref_other_poison: t
         return {"addressed": 0, "identical": 1.0}
     diff = (_ordered(gv, n) - _ordered(rv, n)).abs()
     if got.dtype.is_floating_point:
-        gf = got.detach().cpu().contiguous().flatten()[addressed.view(-1)].float()
-        rf = ref.detach().cpu().contiguous().flatten()[addressed.view(-1)].float()
+        gf = got.contiguous().flatten()[addressed].float()
+        rf = ref.contiguous().flatten()[addressed].float()
         nan = gf.isnan() & ~rf.isnan()
         if bool(nan.any()):
             raise AssertionError(f"{name}: {int(nan.sum())} NaN where the reference has none")

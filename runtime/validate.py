@@ -19,6 +19,7 @@ from .registry import spec
 MODEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 COS_SIN_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 FP8_NAMES = {dt: f.value for f, dt in FP8_DTYPES.items()}
+_SIGNATURES: dict[tuple, Variant] = {}  # derived axis values -> variant (make_variant once)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -237,10 +238,13 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
         "index_dtype": "fp8" if full and index_cache.dtype in FP8_NAMES else "model",
         "kv_scale": kv_scale, "fp8": fp8 or "e4m3fn",
     }
-    try:
-        variant = make_variant(contracts, point)
-    except PointError as e:
-        raise ValueError(f"unsupported signature: {e.axis}: {e}") from None
+    key = tuple(point.values())
+    variant = _SIGNATURES.get(key)
+    if variant is None:
+        try:
+            variant = _SIGNATURES[key] = make_variant(contracts, point)
+        except PointError as e:
+            raise ValueError(f"unsupported signature: {e.axis}: {e}") from None
 
     _cache(variant, "k", k_name, k_cache)
     if not c.combined_kv:

@@ -123,3 +123,13 @@ def test_every_generated_variant_compiles_for_sm90(tmp_path):
     n = len(spec().variants)
     assert f"sm_90: {n}/{n} variants compiled" in proc.stdout
     print(proc.stdout)
+
+
+def test_cache_key_covers_every_header():
+    """A kernel-body edit must never load a binary built from the old body."""
+    from codegen.paths import INCLUDE
+    from codegen.render import kernel_sources
+
+    headers = {p.relative_to(INCLUDE.parent).as_posix() for p in INCLUDE.rglob("*") if p.is_file()}
+    assert headers and headers <= set(kernel_sources())
+    assert "include/kvforge/fused_qknorm_rope_cache.cuh" in headers

@@ -23,7 +23,7 @@ enum class Scale { None, Unit, PerTensor, PerHead };
 
 constexpr int kVec = 8;       // model-dtype elements per lane (16 bytes)
 constexpr int kBlock = 256;
-constexpr int kUnroll = 4;    // independent items per thread per iteration
+constexpr int kMinBlocksPerSM = 2;  // caps registers at 128 so two blocks stay resident
 
 // n / d for n < 2^31 by multiply-high (set up on the host).
 struct FastDiv {
@@ -44,6 +44,7 @@ struct Dims {
   int64_t total_main;         // lanes in the main loop
   int64_t total_v;            // lanes in the transposed-V loop
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
+  int32_t v_blocks;           // the first v_blocks blocks run the V loop, the rest the main loop
 };
 
 // ---- element packing -----------------------------------------------------------------
@@ -158,6 +159,9 @@ struct Fused {
   static constexpr bool kRowHasIndex = VT::kIndexMode != IndexMode::None;
   static constexpr bool kKvFp8 = VT::kKvScale != Scale::None;
   static constexpr bool kVTransposed = VT::V::kDVec == 1 && VT::V::kSlotVec > 1;
+  // Independent items per thread per iteration (an fp32 cos/sin row costs twice the
+  // registers, so fewer of those fit without spilling).
+  static constexpr int kUnroll = CS::kBytes == 4 ? 3 : 4;
   static_assert(LPH >= 2 && LPH <= 32 && (LPH & (LPH - 1)) == 0, "head_dim");
   static_assert(R % 2 == 0 && R <= D, "rotary_dim");
 
@@ -169,23 +173,35 @@ struct Fused {
 
   static KVF_DEVICE uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
+  // The cos and sin rows a lane needs, as loaded (unpacked only at use, so the loads of
+  // all kUnroll items are in flight together).
+  struct CosSinRaw {
+    uint4 v[CS::kBytes == 4 ? 4 : 2];
+  };
+
   // 8 cos and 8 sin values for rotary index i0 (8-aligned) of position `pos`.
-  static KVF_DEVICE void load_cos_sin(const void* cs, int64_t pos, int i0, float (&c)[kVec],
-                                      float (&s)[kVec]) {
-    if constexpr (CS::kBytes == 4) {
-      const float* row = static_cast<const float*>(cs) + pos * R;
-      const float4 c0 = *reinterpret_cast<const float4*>(row + i0);
-      const float4 c1 = *reinterpret_cast<const float4*>(row + i0 + 4);
-      const float4 s0 = *reinterpret_cast<const float4*>(row + HALF + i0);
-      const float4 s1 = *reinterpret_cast<const float4*>(row + HALF + i0 + 4);
-      const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-      const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+  static KVF_DEVICE CosSinRaw load_cos_sin(const void* cs, int64_t pos, int i0) {
+    CosSinRaw r;
+    const char* row = static_cast<const char*>(cs) + pos * R * CS::kBytes;
+    constexpr int kChunks = CS::kBytes == 4 ? 2 : 1;  // 16-byte chunks per 8 values
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) { c[j] = cv[j]; s[j] = sv[j]; }
+    for (int i = 0; i < kChunks; ++i) {
+      r.v[i] = load16(row + (i0 + 4 * i) * CS::kBytes);
+      r.v[kChunks + i] = load16(row + (HALF + i0 + 4 * i) * CS::kBytes);
+    }
+    return r;
+  }
+
+  static KVF_DEVICE void unpack_cos_sin(const CosSinRaw& r, float (&c)[kVec], float (&s)[kVec]) {
+    if constexpr (CS::kBytes == 4) {
+      const uint32_t w[16] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w, r.v[1].x, r.v[1].y, r.v[1].z,
+                              r.v[1].w, r.v[2].x, r.v[2].y, r.v[2].z, r.v[2].w, r.v[3].x, r.v[3].y,
+                              r.v[3].z, r.v[3].w};
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) { c[j] = bits_to_float(w[j]); s[j] = bits_to_float(w[8 + j]); }
     } else {
-      const uint16_t* row = static_cast<const uint16_t*>(cs) + pos * R;
-      unpack8<CS>(load16(row + i0), c);
-      unpack8<CS>(load16(row + HALF + i0), s);
+      unpack8<CS>(r.v[0], c);
+      unpack8<CS>(r.v[1], s);
     }
   }
 
@@ -196,8 +212,17 @@ struct Fused {
 
   // Partial NeoX rotation of one lane's dims [lane*8, lane*8+8) of a normalized head.
   // Dim e < HALF pairs with e + HALF. All lanes of the group must call this.
-  static KVF_DEVICE void rope(const void* cs, int64_t pos, int lane, const float (&n)[kVec],
-                              float (&y)[kVec]) {
+  static constexpr bool kAlignedHalves = HALF % kVec == 0;
+
+  // Whether this lane's dims are rotated (and so need cos/sin).
+  static KVF_DEVICE bool rotary_lane(int lane) { return lane * kVec < R; }
+
+  static KVF_DEVICE int rotary_index(int lane) {
+    return (lane < HALF / kVec ? lane : lane - HALF / kVec) * kVec;
+  }
+
+  static KVF_DEVICE void rope(const CosSinRaw& csr, const void* cs, int64_t pos, int lane,
+                              const float (&n)[kVec], float (&y)[kVec]) {
     constexpr int kQ8 = HALF / kVec, kR8 = HALF % kVec;
     if constexpr (kR8 == 0) {
       // Partners sit exactly kQ8 lanes away: one exchange of 8 values.
@@ -212,13 +237,15 @@ struct Fused {
         return;
       }
       float c[kVec], s[kVec];
-      load_cos_sin(cs, pos, (first ? lane : lane - kQ8) * kVec, c, s);
+      unpack_cos_sin(csr, c, s);
 #pragma unroll
       for (int j = 0; j < kVec; ++j)
         y[j] = first ? n[j] * c[j] - p[j] * s[j] : n[j] * c[j] + p[j] * s[j];
     } else {
       // Rotary halves not aligned to 8 dims (e.g. rotary_dim 36): a partner may sit in
-      // either of two lanes each way; which element is compile-time per j.
+      // either of two lanes each way; which element is compile-time per j. Rare, so
+      // cos/sin are read here, value by value.
+      (void)csr;
       auto clamp = [](int l) { return l < 0 ? 0 : (l >= LPH ? LPH - 1 : l); };
       float pa[kVec], pb[kVec], ma[kVec], mb[kVec];
 #pragma unroll
@@ -257,58 +284,79 @@ struct Fused {
     }
   }
 
-  static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims) {
-    const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
-    const int64_t gt = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  struct Item {
+    uint4 x, w;          // the head's 8 dims and their norm weights, as loaded
+    CosSinRaw cs;
+    int64_t tok, pos, slot;
+    int kind, head;
+    bool live;
+  };
+
+  static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks) {
+    const int64_t nthreads = int64_t(nblocks) * blockDim.x;
+    const int64_t gt = int64_t(block) * blockDim.x + threadIdx.x;
     const int lane = threadIdx.x % LPH;
     const int nq = a.num_heads, niq = a.num_index_heads;
     for (int64_t base = gt; base < dims.total_main; base += nthreads * kUnroll) {
-      uint4 raw[kUnroll];
-      int64_t tok[kUnroll], pos[kUnroll], slot[kUnroll];
-      int kind[kUnroll], head[kUnroll];
-      bool live[kUnroll];
-      // Issue every load of the kUnroll items before any math.
+      Item it[kUnroll];
+      // Phase 1: decode the items, issue the row loads and the token's position and slot.
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
+        Item& m = it[u];
         const int64_t idx = base + int64_t(u) * nthreads;
-        live[u] = idx < dims.total_main;
-        const uint32_t item = live[u] ? static_cast<uint32_t>(idx / LPH) : 0u;
+        m.live = idx < dims.total_main;
+        const uint32_t item = m.live ? static_cast<uint32_t>(idx / LPH) : 0u;
         const uint32_t t = dims.heads_div.div(item);
         const int hm = static_cast<int>(item - t * static_cast<uint32_t>(dims.heads));
         int row_head = hm;
-        if (hm < nq) { kind[u] = kQ; head[u] = hm; }
-        else if (hm < nq + NKV) { kind[u] = kK; head[u] = hm - nq; }
-        else if (!kVTransposed && hm < nq + 2 * NKV) { kind[u] = kV; head[u] = hm - nq - NKV; }
+        if (hm < nq) { m.kind = kQ; m.head = hm; }
+        else if (hm < nq + NKV) { m.kind = kK; m.head = hm - nq; }
+        else if (!kVTransposed && hm < nq + 2 * NKV) { m.kind = kV; m.head = hm - nq - NKV; }
         else {
           const int j = hm - nq - NKV - (kVTransposed ? 0 : NKV);
           row_head = nq + 2 * NKV + j;
-          kind[u] = j < niq ? kIQ : kIK;
-          head[u] = j < niq ? j : 0;
+          m.kind = j < niq ? kIQ : kIK;
+          m.head = j < niq ? j : 0;
         }
-        tok[u] = t;
+        m.tok = t;
         const char* src = static_cast<const char*>(a.qkv) +
                           (int64_t(t) * a.qkv_row_stride + int64_t(row_head) * D + lane * kVec) * 2;
-        raw[u] = live[u] ? load16(src) : make_uint4(0u, 0u, 0u, 0u);
-        pos[u] = live[u] && kind[u] != kV ? a.positions[t] : 0;
-        const bool kv = kind[u] == kK || kind[u] == kV;
+        m.x = m.live ? load16(src) : make_uint4(0u, 0u, 0u, 0u);
+        m.pos = m.live && m.kind != kV ? a.positions[t] : 0;
+        const bool kv = m.kind == kK || m.kind == kV;
         const int64_t* slots = kv ? a.slot_mapping : a.index_slot_mapping;
         const int64_t nslots = kv ? a.num_slots : a.num_index_slots;
-        slot[u] = live[u] && (kv || kind[u] == kIK) && int64_t(t) < nslots ? slots[t] : -1;
+        m.slot = m.live && (kv || m.kind == kIK) && int64_t(t) < nslots ? slots[t] : -1;
       }
+      // Phase 2: norm weights and cos/sin rows (they wait only on the positions).
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) process(a, lane, live[u], kind[u], head[u], tok[u], pos[u],
-                                                slot[u], raw[u]);
+      for (int u = 0; u < kUnroll; ++u) {
+        Item& m = it[u];
+        const void* wp = m.kind == kQ ? a.q_norm_weight : m.kind == kK ? a.k_norm_weight
+                       : m.kind == kIQ ? a.index_q_norm_weight : a.index_k_norm_weight;
+        const bool normed = m.live && m.kind != kV;
+        m.w = normed ? load16(static_cast<const uint16_t*>(wp) + lane * kVec) : make_uint4(0u, 0u, 0u, 0u);
+        m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
+        if (kAlignedHalves && normed && m.pos >= 0 && rotary_lane(lane))
+          m.cs = load_cos_sin(a.cos_sin, m.pos, rotary_index(lane));
+        else
+          m.cs = CosSinRaw{};
+      }
+      // Phase 3: the math and the stores.
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) process(a, lane, it[u]);
     }
   }
 
-  static KVF_DEVICE void process(const kvf_args_t& a, int lane, bool live, int kind, int head,
-                                 int64_t t, int64_t pos, int64_t slot, const uint4& raw) {
+  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Item& m) {
     const uint32_t d0 = lane * kVec;
+    const int64_t t = m.tok, slot = m.slot;
+    const int kind = m.kind, head = m.head;
     float f[kVec];
-    unpack8<M>(raw, f);
+    unpack8<M>(m.x, f);
     if (kind == kV) {
-      if (!live || !slot_ok<typename VT::V>(a.v_cache, slot)) return;
-      const uint32_t bits[4] = {raw.x, raw.y, raw.z, raw.w};
+      if (!m.live || !slot_ok<typename VT::V>(a.v_cache, slot)) return;
+      const uint32_t bits[4] = {m.x.x, m.x.y, m.x.z, m.x.w};
       put_kv<typename VT::V, VT::kKvScale>(a.v_cache, a.v_scale, slot, head, d0, f, bits);
       return;
     }
@@ -317,18 +365,14 @@ struct Fused {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) ss += f[j] * f[j];
 #pragma unroll
-    for (int m = LPH / 2; m >= 1; m /= 2) ss += shfl_xor<LPH>(ss, m);
+    for (int sh = LPH / 2; sh >= 1; sh /= 2) ss += shfl_xor<LPH>(ss, sh);
     const float inv = 1.0f / sqrtf(ss / float(D) + a.eps);
-    const void* wp = kind == kQ ? a.q_norm_weight : kind == kK ? a.k_norm_weight
-                   : kind == kIQ ? a.index_q_norm_weight : a.index_k_norm_weight;
     float w[kVec], n[kVec], y[kVec];
-    unpack8<M>(load16(static_cast<const uint16_t*>(wp) + d0), w);
+    unpack8<M>(m.w, w);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) n[j] = (f[j] * inv) * (VT::kGemma ? 1.0f + w[j] : w[j]);
-    // Positions outside the cos/sin table write nothing (checked mode raises instead).
-    const bool pos_ok = pos >= 0 && pos < a.max_pos;
-    rope(a.cos_sin, pos_ok ? pos : 0, lane, n, y);
-    if (!live || !pos_ok) return;
+    rope(m.cs, a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, n, y);
+    if (!m.live || m.pos < 0) return;
     float r[kVec];
     uint32_t bits[4];
     round_to_model<M>(y, r, bits);
@@ -364,16 +408,18 @@ struct Fused {
   // one 8-dim chunk. When those tokens sit on consecutive aligned slots of one page (a
   // prefill run), each dim's TG values leave as one store; otherwise (decode, padding,
   // shuffled slots) each value is stored alone.
-  static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims) {
+  static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks) {
     using C = typename VT::V;
     constexpr int TG = C::kSlotVec, EB = C::kElemBytes, NB = TG * EB;
     constexpr int kWords = kVec * EB / 4;                  // packed words per token
-    const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
     const int lane = threadIdx.x % LPH;
     const uint32_t d0 = lane * kVec;
-    for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < dims.total_v;
-         idx += nthreads) {
-      const int64_t item = idx / LPH;
+    // Groups go round-robin over the blocks: with few tokens (decode) the scattered
+    // stores then spread over every multiprocessor instead of the first few.
+    const int64_t groups = dims.total_v / LPH, per_block = blockDim.x / LPH;
+    for (int64_t k = threadIdx.x / LPH;; k += per_block) {
+      const int64_t item = block + k * nblocks;
+      if (item >= groups) break;
       const uint32_t h = static_cast<uint32_t>(item % NKV);
       const int64_t t0 = (item / NKV) * TG;
       const int64_t col = int64_t(a.num_heads + NKV + h) * D + d0;
@@ -433,10 +479,18 @@ struct Fused {
 };
 
 template <class VT>
-__global__ void __launch_bounds__(kBlock) fused_kernel(const KVF_GRID_CONSTANT kvf_args_t a,
+__global__ void __launch_bounds__(kBlock, kMinBlocksPerSM) fused_kernel(const KVF_GRID_CONSTANT kvf_args_t a,
                                                        const Dims dims) {
-  Fused<VT>::main_loop(a, dims);
-  if constexpr (Fused<VT>::kVTransposed) Fused<VT>::v_loop(a, dims);
+  // Separate blocks for the two loops, so V's loads and stores run beside the heads'
+  // instead of after them.
+  const int block = static_cast<int>(blockIdx.x);
+  if constexpr (Fused<VT>::kVTransposed) {
+    if (block < dims.v_blocks) {
+      Fused<VT>::v_loop(a, dims, block, dims.v_blocks);
+      return;
+    }
+  }
+  Fused<VT>::main_loop(a, dims, block - dims.v_blocks, static_cast<int>(gridDim.x) - dims.v_blocks);
 }
 
 template <class VT>
@@ -455,10 +509,8 @@ int launch(const kvf_args_t* a, void* stream) {
   }
   // Items are decoded in 32-bit arithmetic (FastDiv needs n < 2^31).
   if (dims.total_main / F::LPH >= (int64_t(1) << 31)) return int(hipErrorInvalidValue);
-  const int64_t main_threads = (dims.total_main + kUnroll - 1) / kUnroll;
-  const int64_t want = main_threads > dims.total_v ? main_threads : dims.total_v;
-  int64_t blocks = (want + kBlock - 1) / kBlock;
-  // At most one wave of resident blocks; the loops stride over the rest.
+  // One wave of resident blocks at most; the loops stride over the rest. While the work
+  // fits, a lane per 16 bytes (few tokens: the most parallelism).
   static int sm_count[64] = {0};
   static int per_sm = 0;
   int dev = 0;
@@ -468,7 +520,18 @@ int launch(const kvf_args_t* a, void* stream) {
     if (per_sm == 0) hipOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused_kernel<VT>, kBlock, 0);
   }
   const int64_t cap = int64_t(dev < 64 && sm_count[dev] ? sm_count[dev] : 132) * (per_sm > 0 ? per_sm : 1);
-  if (blocks > cap) blocks = cap;
+  int64_t main_blocks = (dims.total_main + kBlock - 1) / kBlock;
+  int64_t v_blocks = (dims.total_v + kBlock - 1) / kBlock;
+  if (main_blocks + v_blocks > cap) {
+    // Split the wave by bytes moved: a V lane carries TG tokens of 16 bytes.
+    const double v_work = double(dims.total_v) * (F::kVTransposed ? VT::V::kSlotVec : 0);
+    const double share = v_work / (v_work + double(dims.total_main));
+    v_blocks = v_blocks ? static_cast<int64_t>(share * cap + 0.5) : 0;
+    if (dims.total_v && v_blocks < 1) v_blocks = 1;
+    main_blocks = cap - v_blocks > 1 ? cap - v_blocks : 1;
+  }
+  dims.v_blocks = static_cast<int32_t>(v_blocks);
+  const int64_t blocks = main_blocks + v_blocks;
   fused_kernel<VT><<<static_cast<unsigned>(blocks), kBlock, 0, static_cast<hipStream_t>(stream)>>>(*a, dims);
   return int(hipGetLastError());
 }

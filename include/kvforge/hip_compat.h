@@ -160,13 +160,19 @@ KVF_DEVICE uint32_t fp8_from_float_soft(float f) {
   return code | sign;
 }
 
-// Two values at once; the hardware converter where the target has one that matches the
-// software semantics (it saturates, so only for clamped input).
+// Two values at once (a in the low byte). Where the target converts e4m3fn in hardware
+// (sm_89+), that is used: it saturates, so unclamped input past the rounding range is
+// patched to NaN afterwards, keeping the software semantics.
 template <Fp8 F, bool Clamped>
 KVF_DEVICE uint32_t fp8x2_from_float(float a, float b) {
 #if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  if constexpr (F == Fp8::E4M3FN && Clamped) {
-    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  if constexpr (F == Fp8::E4M3FN) {
+    uint32_t r = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    if constexpr (!Clamped) {
+      if (!(fabsf(a) <= 464.0f)) r = (r & 0xff00u) | 0x7fu | ((float_to_bits(a) >> 24) & 0x80u);
+      if (!(fabsf(b) <= 464.0f)) r = (r & 0x00ffu) | ((0x7fu | ((float_to_bits(b) >> 24) & 0x80u)) << 8);
+    }
+    return r;
   }
 #endif
   return fp8_from_float_soft<F>(a) | (fp8_from_float_soft<F>(b) << 8);

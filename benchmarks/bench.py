@@ -1,0 +1,225 @@
+"""H200 benchmark of the fused op against the unfused torch path (SPEC §5, §8).
+
+    python benchmarks/bench.py [--out benchmarks/results] [--peers eager,compile] [--quick]
+
+In one run on one GPU: a 2 GiB device-to-device copy (read + write) as the roofline;
+every case of MiniMax-M3 TP1/TP4/TP8 × tokens × {vllm_shuffle16 bf16, vllm_shuffle16 FP8,
+sglang_nhd bf16, vllm_m3 bf16}, each checked against the reference first, then timed as
+GPU time per call under CUDA-graph replay of many back-to-back calls (median of several
+replays), rotating input sets so the working set is several times the 60 MB L2; the peers
+on the same inputs the same way. Writes h200.json, BENCHMARKS.md and a plot.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.unfused import unfused  # noqa: E402
+from benchmarks.report import write_report  # noqa: E402
+from codegen.model import IndexMode  # noqa: E402
+from runtime import build, fused_qknorm_rope_cache, toolchain  # noqa: E402
+from runtime.abi import KernelLibrary  # noqa: E402
+from runtime.registry import Registry, source_of, spec  # noqa: E402
+from runtime.testing import check_against_reference, make_inputs, with_outputs  # noqa: E402
+
+TP = {1: (64, 4, 4), 4: (16, 1, 1), 8: (8, 1, 1)}  # (q heads, kv heads, index heads)
+TOKENS = [1, 16, 128, 1024, 8192, 32768, 65536]
+CONFIGS = {  # name -> variant axes (TP sets num_kv_heads)
+    "vllm_shuffle16 bf16": dict(contract="vllm_shuffle16", index_dtype="model", kv_scale="none"),
+    "vllm_shuffle16 fp8": dict(contract="vllm_shuffle16", index_dtype="fp8", kv_scale="per_tensor",
+                               fp8="e4m3fn"),
+    "sglang_nhd bf16": dict(contract="sglang_nhd", index_dtype="model", kv_scale="none", cos_sin="fp32"),
+    "vllm_m3 bf16": dict(contract="vllm_m3", index_dtype="model", kv_scale="none"),
+}
+L2_BYTES = 60 * 2 ** 20
+
+
+def find_variant(axes: dict, nkv: int):
+    want = {"dtype": "bf16", "head_dim": "128", "rotary_dim": "64", "norm": "gemma",
+            "index_mode": "full", "cos_sin": "bf16", "num_kv_heads": str(nkv), **axes}
+    for v in spec().variants:
+        if all(v.axes().get(k) == str(x) for k, x in want.items()):
+            return v
+    raise KeyError(want)
+
+
+def op_bytes(v, args: dict) -> int:
+    """The fewest bytes the op must move (SPEC §8)."""
+    T = args["qkv"].shape[0]
+    nq, niq, nkv, D = args["num_heads"], args["num_index_heads"], v.num_kv_heads, v.head_dim
+    kv_e = 1 if v.kv_fp8 else 2
+    idx_e = 1 if v.index_fp8 else 2
+    full = v.index_mode is IndexMode.FULL
+    n = args["qkv"].numel() * 2 + T * nq * D * 2 + 2 * T * nkv * D * kv_e + T * 8 * 2
+    if full:
+        n += T * niq * D * idx_e + T * D * idx_e + T * 8
+    return n
+
+
+def events_ms(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def copy_bandwidth(nbytes: int = 2 * 2 ** 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ms = statistics.median(events_ms(lambda: dst.copy_(src), 20))
+    return 2 * nbytes / ms / 1e6  # GB/s, read + write
+
+
+def graph_us(calls: list, reps: int = 7) -> float:
+    """GPU µs per call: one CUDA graph of `calls` back to back, median over replays."""
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    return statistics.median(events_ms(g.replay, reps)) * 1e3 / len(calls)
+
+
+def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict) -> dict:
+    nq, _, niq = TP[tp]
+    slots = "decode" if tokens <= 256 else "prefill"
+    probe = make_inputs(v, tokens, nq, niq, slots=slots, device="cuda", seed=0)
+    nbytes = op_bytes(v, probe)
+    # Rotate enough input sets that the working set is ≥ 4× L2, within 8 GB.
+    n_sets = max(1, min(64, math.ceil(4 * L2_BYTES / nbytes), (8 << 30) // nbytes))
+    sets = [with_outputs(probe)] + [with_outputs(make_inputs(v, tokens, nq, niq, slots=slots,
+                                                            device="cuda", seed=i))
+                                    for i in range(1, n_sets)]
+    stats = check_against_reference(sets[0], fused_qknorm_rope_cache, ref_device="cuda")
+    identical = min(s["identical"] for s in stats.values())
+    n_calls = max(n_sets, min(400, max(8, int(2e9 / max(nbytes, 1) // 1000))))
+    ours = [functools.partial(fused_qknorm_rope_cache, **sets[i % n_sets]) for i in range(n_calls)]
+    rec = {
+        "contract": v.contract.name, "variant": v.uri, "tp": tp, "tokens": tokens, "slots": slots,
+        "dtype": "bf16", "kv": v.kv_scale.value, "index": v.index_dtype.value if v.index_dtype else None,
+        "bytes": nbytes, "input_sets": n_sets, "calls_per_graph": n_calls,
+        "identical_min": identical,
+        "us": graph_us(ours),
+        "us_event_per_call": statistics.median(events_ms(ours[0], 30)) * 1e3,
+    }
+    rec["gbps"] = nbytes / rec["us"] / 1e3
+    for peer in peers:
+        fn = unfused if peer == "eager" else compiled.setdefault(
+            (v.uri, tp), torch.compile(unfused, dynamic=True))
+        calls = [functools.partial(fn, v, s, s["q_out"], s.get("index_q_out")) for s in sets]
+        calls = [calls[i % n_sets] for i in range(min(n_calls, max(n_sets, 20)))]
+        try:
+            rec[f"{peer}_us"] = graph_us(calls, reps=5)
+        except Exception as e:  # a peer that cannot be captured is reported, not fatal
+            rec[f"{peer}_us"] = None
+            rec[f"{peer}_error"] = f"{type(e).__name__}: {e}"[:300]
+    del sets, probe
+    torch.cuda.empty_cache()
+    return rec
+
+
+def host_overhead_us(v) -> float:
+    """Python time per eager call (validation, signature, ctypes launch), GPU not the limit."""
+    args = with_outputs(make_inputs(v, 1, *TP[8][::2], slots="decode", device="cuda", seed=0))
+    for _ in range(50):
+        fused_qknorm_rope_cache(**args)
+    torch.cuda.synchronize()
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fused_qknorm_rope_cache(**args)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def build_costs(variants) -> dict:
+    """Cold build seconds per variant (fresh cache) and warm load ms (library on disk)."""
+    tc = toolchain.default()
+    cold, warm = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in variants:
+            job = build.Job(v.uri, source_of(v))
+            t0 = time.perf_counter()
+            path = build.build(job, tc, root=Path(tmp))
+            cold.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            KernelLibrary(str(path), v.uri)
+            warm.append((time.perf_counter() - t0) * 1e3)
+    return {"cold_build_s": statistics.median(cold), "cold_build_s_max": max(cold),
+            "warm_load_ms": statistics.median(warm), "variants": len(variants),
+            "compiler": f"{tc.kind} {tc.version} {tc.arch}"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="h200.json and the plot")
+    ap.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"), help="where the tables go")
+    ap.add_argument("--peers", default="eager,compile")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--tp", default="1,4,8")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    peers = [p for p in args.peers.split(",") if p]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = torch.cuda.get_device_name()
+    copy = copy_bandwidth()
+    print(f"{gpu}: copy {copy:.0f} GB/s", flush=True)
+    variants = {(name, tp): find_variant(axes, TP[tp][1]) for name, axes in CONFIGS.items()
+                for tp in map(int, args.tp.split(","))}
+    build.build_many([build.Job(v.uri, source_of(v)) for v in set(variants.values())], toolchain.default())
+    records, compiled = [], {}
+    for name in args.configs.split(","):
+        for tp in map(int, args.tp.split(",")):
+            for tokens in map(int, args.tokens.split(",")):
+                rec = run_case(variants[(name, tp)], tp, tokens, peers, compiled)
+                rec["config"] = name
+                rec["pct_copy"] = 100 * rec["gbps"] / copy
+                records.append(rec)
+                peer_txt = " ".join(f"{p} {rec.get(p + '_us') or float('nan'):.1f}" for p in peers)
+                print(f"{name:20s} tp{tp} T={tokens:6d} {rec['us']:9.2f} us {rec['gbps']:7.0f} GB/s "
+                      f"{rec['pct_copy']:5.1f}%  event {rec['us_event_per_call']:.1f}  {peer_txt}", flush=True)
+    result = {
+        "gpu": gpu, "torch": torch.__version__, "copy_gbps": copy,
+        "command": "python benchmarks/bench.py " + " ".join(sys.argv[1:]),
+        "timing": "CUDA-graph replay of calls_per_graph back-to-back calls rotating input_sets "
+                  "sets; median of replays; us_event_per_call = CUDA events around one eager call",
+        "host_overhead_us": host_overhead_us(next(iter(variants.values()))),
+        "build": build_costs(sorted({v for v in variants.values()}, key=lambda v: v.uri)[:4]),
+        "records": records,
+    }
+    (out / "h200.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_report(result, out, Path(args.md))
+    print(f"host overhead {result['host_overhead_us']:.1f} us/call; build {result['build']}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

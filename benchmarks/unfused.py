@@ -1,0 +1,52 @@
+"""The peer: the unfused torch path engines run today (norm + RoPE, then the cache
+writes as separate ops), for any contract. Shapes never depend on data, so it can be
+captured in a CUDA graph and compiled with torch.compile; benchmark slots are all valid.
+"""
+from __future__ import annotations
+
+import torch
+
+from codegen.model import IndexMode, KvScale, Norm, Saturation, Variant
+from runtime.reference import rope, to_fp8, write_slots
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float, norm: Norm) -> torch.Tensor:
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return n * (1.0 + w.float() if norm is Norm.GEMMA else w.float())
+
+
+def unfused(v: Variant, a: dict, q_out: torch.Tensor, index_q_out) -> None:
+    """Same outputs as the fused op (model-dtype rounding), written by separate torch ops."""
+    D, R, nkv, nq = v.head_dim, v.rotary_dim, v.num_kv_heads, a["num_heads"]
+    niq = a["num_index_heads"]
+    T = a["qkv"].shape[0]
+    x = a["qkv"].view(T, -1, D).float()
+    pos, eps, model = a["positions"], a["eps"], a["qkv"].dtype
+
+    def normed(lo: int, hi: int, w: torch.Tensor) -> torch.Tensor:
+        return rope(_norm(x[:, lo:hi], w, eps, v.norm), a["cos_sin_cache"], pos, R)
+
+    q_out.copy_(normed(0, nq, a["q_norm_weight"]).to(model).view_as(q_out))
+    k = normed(nq, nq + nkv, a["k_norm_weight"]).to(model)
+    vv = a["qkv"].view(T, -1, D)[:, nq + nkv:nq + 2 * nkv]
+    k_cache = a.get("k_cache", a.get("kv_cache"))
+    v_cache = a.get("v_cache", a.get("kv_cache"))
+    if v.kv_scale is not KvScale.NONE:
+        sat = v.contract.saturation is Saturation.SATURATE
+        ks = (1.0 / a["k_scale"]).view(1, -1, 1) if "k_scale" in a else 1.0
+        vs = (1.0 / a["v_scale"]).view(1, -1, 1) if "v_scale" in a else 1.0
+        k = to_fp8(k.float() * ks, v.fp8, sat)
+        vv = to_fp8(vv.float() * vs, v.fp8, sat)
+    write_slots(v, "k", k_cache, a["slot_mapping"], k)
+    write_slots(v, "v", v_cache, a["slot_mapping"], vv)
+    if v.index_mode is not IndexMode.FULL:
+        return
+    base = nq + 2 * nkv
+    iq = normed(base, base + niq, a["index_q_norm_weight"])
+    ik = normed(base + niq, base + niq + 1, a["index_k_norm_weight"]).to(model)
+    if v.index_fp8:
+        index_q_out.copy_(to_fp8(iq, v.fp8, True).view_as(index_q_out))
+        ik = to_fp8(ik.float(), v.fp8, True)
+    else:
+        index_q_out.copy_(iq.to(model).view_as(index_q_out))
+    write_slots(v, "index", a["index_cache"], a.get("index_slot_mapping", a["slot_mapping"]), ik)
