@@ -3,7 +3,8 @@
 generate (default)  regenerate generated/ from variants.yaml (write-if-different)
 check               exit 1 if generated/ is stale or variants.yaml is invalid
 list                print the variants (optionally filtered)
-compile             build every generated variant for the given targets, fail on any
+compile             build every generated variant for the given targets (sm_XX with
+                    nvcc; gfxNNN device code with clang's HIP mode), fail on any
                     error or warning, print how many compiled per target
 """
 from __future__ import annotations
@@ -39,12 +40,11 @@ def _compile(variants: list[Variant], targets: list[str], jobs: int) -> int:
         start = time.monotonic()
         try:
             if target.startswith("gfx"):
-                from . import amd
-                count = amd.compile_all(variants, target, jobs)
+                tc = toolchain.amd_check(target)
             else:
                 tc = toolchain.detect(is_rocm=False, arch=target)
-                job_list = [build.Job(v.uri, (GENERATED / f"{v.uri}.hip").read_text()) for v in variants]
-                count = len(build.build_many(job_list, tc, parallel=jobs))
+            job_list = [build.Job(v.uri, (GENERATED / f"{v.uri}.hip").read_text()) for v in variants]
+            count = len(build.build_many(job_list, tc, parallel=jobs))
         except Exception as e:  # report every target, then fail
             failures += 1
             print(f"{target}: FAILED: {e}", file=sys.stderr)

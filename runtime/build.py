@@ -54,7 +54,7 @@ class Job:
         return root / tc.arch / f"{self.uri}-{cache_key(self.source, tc)}"
 
     def library(self, tc: Toolchain, root: Path) -> Path:
-        return self.directory(tc, root) / f"{self.uri}.so"
+        return self.directory(tc, root) / f"{self.uri}{tc.output_suffix}"
 
 
 def _write_if_different(path: Path, text: str) -> None:

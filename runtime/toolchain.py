@@ -22,6 +22,10 @@ NVCC_FLAGS = ("-x", "cu", "-std=c++17", "-O3", "--fmad=false", "-Xcompiler", "-f
               "-Werror", "all-warnings")
 HIPCC_FLAGS = ("-x", "hip", "-std=c++17", "-O3", "-ffp-contract=off", "-fPIC", "-shared",
                "-Werror")
+# The AMD compile check without ROCm: clang's HIP mode, device code only, to assembly
+# (so tests can read the instructions), against whatever HIP headers are installed.
+CLANG_HIP_FLAGS = ("-x", "hip", "--offload-device-only", "-nogpulib", "-D__AMDGCN_WAVEFRONT_SIZE=64",
+                   "-std=c++17", "-O3", "-ffp-contract=off", "-S", "-Werror")
 
 
 class ToolchainError(RuntimeError):
@@ -30,17 +34,24 @@ class ToolchainError(RuntimeError):
 
 @dataclass(frozen=True)
 class Toolchain:
-    kind: str          # "nvcc" | "hipcc"
+    kind: str          # "nvcc" | "hipcc" | "clang-hip" (device assembly only: the AMD check)
     compiler: str      # path
     version: str       # e.g. "13.0.88"
     arch: str          # e.g. "sm_90", "gfx942"
+    rocm_path: str = ""  # clang-hip: the prefix whose include/hip holds the HIP headers
 
     @property
     def flags(self) -> tuple[str, ...]:
         if self.kind == "nvcc":
             num = self.arch.removeprefix("sm_")
             return NVCC_FLAGS + (f"-gencode=arch=compute_{num},code=sm_{num}",)
+        if self.kind == "clang-hip":
+            return CLANG_HIP_FLAGS + (f"--offload-arch={self.arch}", f"--rocm-path={self.rocm_path}")
         return HIPCC_FLAGS + (f"--offload-arch={self.arch}",)
+
+    @property
+    def output_suffix(self) -> str:
+        return ".s" if self.kind == "clang-hip" else ".so"
 
     def command(self, source: str, output: str) -> list[str]:
         return [self.compiler, *self.flags, f"-I{INCLUDE}", "-o", output, source]
@@ -100,6 +111,28 @@ def detect(*, is_rocm: Optional[bool] = None, which: Callable[[str], Optional[st
     if not re.fullmatch(r"sm_\d+a?", arch):
         raise ToolchainError(f"nvcc builds for sm_XX targets, got arch {arch!r}")
     return Toolchain("nvcc", compiler, _nvcc_version(run([compiler, "--version"])), arch)
+
+
+def amd_check(arch: str, *, which: Callable[[str], Optional[str]] = shutil.which,
+              run: Callable[[list[str]], str] = _run, env: Optional[dict] = None) -> Toolchain:
+    """clang in HIP mode for the compile-only AMD check (no ROCm, no GPU needed).
+    KVFORGE_HIP_CLANG and ROCM_PATH override the compiler and the header prefix."""
+    env = os.environ if env is None else env
+    if not arch.startswith("gfx"):
+        raise ToolchainError(f"the AMD check builds for gfx targets, got {arch!r}")
+    compiler = env.get("KVFORGE_HIP_CLANG") or which("clang++-22") or which("clang++")
+    if not compiler:
+        raise ToolchainError("no clang++ for the AMD check: install clang-22 (apt-get install clang-22 "
+                             "libamdhip64-dev) or set KVFORGE_HIP_CLANG")
+    prefixes = [env["ROCM_PATH"]] if env.get("ROCM_PATH") else ["/opt/rocm", "/usr"]
+    rocm = next((p for p in prefixes if Path(p, "include", "hip", "hip_runtime.h").exists()), None)
+    if rocm is None:
+        raise ToolchainError(f"no HIP headers under {' or '.join(prefixes)}: install libamdhip64-dev "
+                             "or set ROCM_PATH")
+    m = re.search(r"clang version ([\w.\-~+]+)", run([compiler, "--version"]))
+    if not m:
+        raise ToolchainError(f"cannot read the version of {compiler}")
+    return Toolchain("clang-hip", compiler, m.group(1), arch, rocm)
 
 
 def _existing(p: Path) -> Optional[str]:

@@ -103,12 +103,14 @@ def _scale_kind(name: str, t, device, nkv: int) -> str:
 
 def _cache(v: Variant, role: str, name: str, t: torch.Tensor) -> None:
     acc = access(v, role)
-    expected = [str(getattr(v.contract, role).runtime_name) if e is None else str(e) for e in acc.extents]
-    if t.dim() != len(acc.extents) or any(e is not None and s != e for s, e in zip(t.shape, acc.extents)):
+    shape = t.shape
+    if len(shape) != len(acc.extents) or any(e is not None and s != e for s, e in zip(shape, acc.extents)):
+        expected = [getattr(v.contract, role).runtime_name if e is None else str(e) for e in acc.extents]
         raise ValueError(f"{name}: expected shape [{', '.join(expected)}] for contract "
                          f"{v.contract.name} with this signature, got {_shape(t)}")
-    if t.shape[acc.runtime_dim] < 1:
-        raise ValueError(f"{name}: the cache holds no page ({expected[acc.runtime_dim]} = 0)")
+    if shape[acc.runtime_dim] < 1:
+        raise ValueError(f"{name}: the cache holds no page "
+                         f"({getattr(v.contract, role).runtime_name} = 0)")
     for i, (size, stride, want) in enumerate(zip(t.shape, t.stride(), acc.contiguous_strides)):
         if want is None:
             if (stride * t.element_size()) % 16:

@@ -114,11 +114,11 @@ def test_concurrent_builds_build_once(nvcc_sm90, tmp_path, monkeypatch):
 
 
 @needs_nvcc
-def test_every_generated_variant_compiles_for_sm90(tmp_path):
-    """CI's compile check: the same command the README documents."""
+def test_every_generated_variant_compiles_for_sm90():
+    """The compile check, by the command the README documents (sharing the session's
+    build cache, so after CI's compile step this only re-checks)."""
     proc = subprocess.run([sys.executable, "-m", "codegen", "compile", "--target", "sm_90"],
-                          cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "KVFORGE_CACHE_DIR": str(tmp_path)})
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     n = len(spec().variants)
     assert f"sm_90: {n}/{n} variants compiled" in proc.stdout

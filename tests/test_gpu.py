@@ -134,3 +134,17 @@ def test_vllm_nhd_views_unbound_from_one_allocation():
                        dtype=args["k_cache"].dtype, device="cuda")
     args["k_cache"], args["v_cache"] = both.unbind(1)
     check_against_reference(args, fused_qknorm_rope_cache)
+
+
+@pytest.mark.parametrize("kv_scale", ["none", "per_tensor"])
+def test_shuffle_v_groups_that_are_almost_runs(kv_scale):
+    """SHUFFLE's V loop takes a group when its first and last slots line up; a group
+    whose middle is out of order must still land value by value."""
+    v = _seed_variant(kv_scale=kv_scale, fp8="e4m3fn") if kv_scale != "none" else _seed_variant()
+    tg = 16 if kv_scale != "none" else 8
+    args = make_inputs(v, 4 * tg, 8, 2, slots="prefill", device="cuda", seed=10)
+    sm = args["slot_mapping"]
+    sm[1], sm[2] = sm[2].clone(), sm[1].clone()            # group 0: middle swapped
+    sm[tg + 3] = -1                                         # group 1: a padded token inside
+    sm[2 * tg:3 * tg] = sm[2 * tg:3 * tg].flip(0)           # group 2: reversed (not taken)
+    check_against_reference(args, fused_qknorm_rope_cache)

@@ -7,8 +7,8 @@
 //
 // Work split: a flat index space of 16-byte lanes. One head of D dims is D/8 adjacent
 // lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction and
-// the RoPE partner exchange are shuffles inside the group. Each thread keeps kUnroll
-// independent 16-byte loads in flight. V of a layout that scatters one token's dims
+// the RoPE partner exchange are shuffles inside the group. A thread keeps one head lane
+// for every token it visits and loads the next tokens' rows while computing the current. V of a layout that scatters one token's dims
 // (SHUFFLE) is written by a second loop in which a lane owns `slot_vec` consecutive
 // tokens of one dim chunk and transposes them in registers into whole 16-byte stores.
 #pragma once
@@ -25,25 +25,11 @@ constexpr int kVec = 8;       // model-dtype elements per lane (16 bytes)
 constexpr int kBlock = 256;
 constexpr int kMinBlocksPerSM = 2;  // caps registers at 128 so two blocks stay resident
 
-// n / d for n < 2^31 by multiply-high (set up on the host).
-struct FastDiv {
-  uint32_t mul, shift;
-  KVF_DEVICE uint32_t div(uint32_t n) const { return (__umulhi(n, mul) + n) >> shift; }
-};
-
-inline FastDiv make_fastdiv(uint32_t d) {
-  uint32_t shift = 0;
-  while ((1ull << shift) < d) ++shift;
-  const uint64_t mul = ((1ull << 32) * ((1ull << shift) - d)) / d + 1;
-  return FastDiv{static_cast<uint32_t>(mul), shift};
-}
-
 struct Dims {
-  FastDiv heads_div;          // item -> (token, head) in the main loop
-  int32_t heads;              // heads per token handled by the main loop
-  int64_t total_main;         // lanes in the main loop
-  int64_t total_v;            // lanes in the transposed-V loop
+  int32_t lanes_per_token;    // main loop: heads handled per token * lanes per head
+  int64_t tokens_per_pass;    // tokens the main loop's threads cover side by side
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
+  int64_t v_groups;           // aligned groups of slot_vec tokens the V loop visits
   int32_t v_blocks;           // the first v_blocks blocks run the V loop, the rest the main loop
 };
 
@@ -159,17 +145,15 @@ struct Fused {
   static constexpr bool kRowHasIndex = VT::kIndexMode != IndexMode::None;
   static constexpr bool kKvFp8 = VT::kKvScale != Scale::None;
   static constexpr bool kVTransposed = VT::V::kDVec == 1 && VT::V::kSlotVec > 1;
-  // Independent items per thread per iteration (an fp32 cos/sin row costs twice the
-  // registers, so fewer of those fit without spilling).
-  static constexpr int kUnroll = CS::kBytes == 4 ? 3 : 4;
+  // Tokens per thread per iteration; the next iteration's are loaded meanwhile, so
+  // 2 * kUnroll rows of 16 bytes are in flight per thread.
+  static constexpr int kUnroll = 2;
   static_assert(LPH >= 2 && LPH <= 32 && (LPH & (LPH - 1)) == 0, "head_dim");
   static_assert(R % 2 == 0 && R <= D, "rotary_dim");
 
   enum Kind { kQ, kK, kV, kIQ, kIK };
 
-  static int heads_main(int nq, int niq) {
-    return nq + NKV + (kVTransposed ? 0 : NKV) + (kIndex ? niq + 1 : 0);
-  }
+  static int heads_main(int nq, int niq) { return nq + 2 * NKV + (kIndex ? niq + 1 : 0); }
 
   static KVF_DEVICE uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
@@ -284,74 +268,108 @@ struct Fused {
     }
   }
 
-  struct Item {
-    uint4 x, w;          // the head's 8 dims and their norm weights, as loaded
+  // What a main-loop thread is: one lane of one head of the row, the same for every
+  // token it visits, so its weights and branches are settled once.
+  struct Role {
+    int kind, head, row_head;
+  };
+
+  static KVF_DEVICE Role role_of(int hm, int nq, int niq) {
+    if (hm < nq) return Role{kQ, hm, hm};
+    if (hm < nq + NKV) return Role{kK, hm - nq, hm};
+    if (hm < nq + 2 * NKV) return Role{kV, hm - nq - NKV, hm};
+    const int j = hm - nq - 2 * NKV;
+    return j < niq ? Role{kIQ, j, hm} : Role{kIK, 0, hm};
+  }
+
+  // One token's inputs for a thread, as loaded.
+  struct Token {
+    uint4 x;
     CosSinRaw cs;
-    int64_t tok, pos, slot;
-    int kind, head;
+    int64_t t, pos, slot;
     bool live;
   };
 
-  static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks) {
-    const int64_t nthreads = int64_t(nblocks) * blockDim.x;
-    const int64_t gt = int64_t(block) * blockDim.x + threadIdx.x;
-    const int lane = threadIdx.x % LPH;
-    const int nq = a.num_heads, niq = a.num_index_heads;
-    for (int64_t base = gt; base < dims.total_main; base += nthreads * kUnroll) {
-      Item it[kUnroll];
-      // Phase 1: decode the items, issue the row loads and the token's position and slot.
+  // V group g is tokens [g*TG, g*TG + TG). It belongs to the V loop when its first slot
+  // is TG-aligned and its last slot is TG - 1 further on (two loads decide, so the main
+  // loop can ask cheaply); returns that first slot, else -1. The V loop writes a group
+  // whose slots are all consecutive as whole vectors, any other of its groups value by
+  // value; the main loop writes the V of every token outside such groups.
+  static KVF_DEVICE int64_t v_group_start(const kvf_args_t& a, int64_t v_tokens, int64_t g) {
+    constexpr int TG = VT::V::kSlotVec;
+    const int64_t t0 = g * TG;
+    if (t0 + TG > v_tokens) return -1;
+    const int64_t s0 = a.slot_mapping[t0];
+    const bool ok = s0 >= 0 && s0 % TG == 0 && s0 + TG <= a.v_cache.capacity &&
+                    a.slot_mapping[t0 + TG - 1] == s0 + TG - 1;
+    return ok ? s0 : -1;
+  }
+
+  static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block) {
+    const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
+    const int64_t tpp = dims.tokens_per_pass;
+    if (gid >= tpp * dims.lanes_per_token) return;  // whole head groups idle together
+    const int within = static_cast<int>(gid % dims.lanes_per_token);
+    const int lane = within % LPH;
+    const Role r = role_of(within / LPH, a.num_heads, a.num_index_heads);
+    float wf[kVec];  // the norm's per-dim factor: 1 + w (Gemma) or w
+    if (r.kind != kV) {
+      const void* wp = r.kind == kQ ? a.q_norm_weight : r.kind == kK ? a.k_norm_weight
+                     : r.kind == kIQ ? a.index_q_norm_weight : a.index_k_norm_weight;
+      unpack8<M>(load16(static_cast<const uint16_t*>(wp) + lane * kVec), wf);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) wf[j] = VT::kGemma ? 1.0f + wf[j] : wf[j];
+    }
+    const bool kv = r.kind == kK || r.kind == kV;
+    const int64_t* slots = kv ? a.slot_mapping : a.index_slot_mapping;
+    const int64_t nslots = kv ? a.num_slots : a.num_index_slots;
+    const bool has_slot = kv || r.kind == kIK;
+    const bool needs_cs = kAlignedHalves && r.kind != kV && rotary_lane(lane);
+    const int64_t col = int64_t(r.row_head) * D + lane * kVec;
+    // Phase 1 for kUnroll tokens: the row chunk, position and slot, all in flight.
+    auto fetch = [&](Token (&tk)[kUnroll], int64_t t0) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        Item& m = it[u];
-        const int64_t idx = base + int64_t(u) * nthreads;
-        m.live = idx < dims.total_main;
-        const uint32_t item = m.live ? static_cast<uint32_t>(idx / LPH) : 0u;
-        const uint32_t t = dims.heads_div.div(item);
-        const int hm = static_cast<int>(item - t * static_cast<uint32_t>(dims.heads));
-        int row_head = hm;
-        if (hm < nq) { m.kind = kQ; m.head = hm; }
-        else if (hm < nq + NKV) { m.kind = kK; m.head = hm - nq; }
-        else if (!kVTransposed && hm < nq + 2 * NKV) { m.kind = kV; m.head = hm - nq - NKV; }
-        else {
-          const int j = hm - nq - NKV - (kVTransposed ? 0 : NKV);
-          row_head = nq + 2 * NKV + j;
-          m.kind = j < niq ? kIQ : kIK;
-          m.head = j < niq ? j : 0;
+        Token& m = tk[u];
+        m.t = t0 + u * tpp;
+        m.live = m.t < a.num_tokens;
+        if constexpr (kVTransposed) {  // that token's V is the V loop's
+          if (r.kind == kV && m.live) m.live = v_group_start(a, dims.v_tokens, m.t / VT::V::kSlotVec) < 0;
         }
-        m.tok = t;
-        const char* src = static_cast<const char*>(a.qkv) +
-                          (int64_t(t) * a.qkv_row_stride + int64_t(row_head) * D + lane * kVec) * 2;
-        m.x = m.live ? load16(src) : make_uint4(0u, 0u, 0u, 0u);
-        m.pos = m.live && m.kind != kV ? a.positions[t] : 0;
-        const bool kv = m.kind == kK || m.kind == kV;
-        const int64_t* slots = kv ? a.slot_mapping : a.index_slot_mapping;
-        const int64_t nslots = kv ? a.num_slots : a.num_index_slots;
-        m.slot = m.live && (kv || m.kind == kIK) && int64_t(t) < nslots ? slots[t] : -1;
+        m.x = m.live ? load16(static_cast<const char*>(a.qkv) + (m.t * a.qkv_row_stride + col) * 2)
+                     : make_uint4(0u, 0u, 0u, 0u);
+        m.pos = m.live && r.kind != kV ? a.positions[m.t] : 0;
+        m.slot = m.live && has_slot && m.t < nslots ? slots[m.t] : -1;
       }
-      // Phase 2: norm weights and cos/sin rows (they wait only on the positions).
+    };
+    const int64_t step = tpp * kUnroll;
+    Token cur[kUnroll], next[kUnroll];
+    fetch(cur, gid / dims.lanes_per_token);
+    for (int64_t t0 = gid / dims.lanes_per_token; t0 < a.num_tokens; t0 += step) {
+      // The next tokens' rows load while this iteration computes (software pipelining).
+      fetch(next, t0 + step);
+      // Phase 2: cos/sin rows (they wait only on the positions).
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        Item& m = it[u];
-        const void* wp = m.kind == kQ ? a.q_norm_weight : m.kind == kK ? a.k_norm_weight
-                       : m.kind == kIQ ? a.index_q_norm_weight : a.index_k_norm_weight;
-        const bool normed = m.live && m.kind != kV;
-        m.w = normed ? load16(static_cast<const uint16_t*>(wp) + lane * kVec) : make_uint4(0u, 0u, 0u, 0u);
+        Token& m = cur[u];
         m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
-        if (kAlignedHalves && normed && m.pos >= 0 && rotary_lane(lane))
-          m.cs = load_cos_sin(a.cos_sin, m.pos, rotary_index(lane));
-        else
-          m.cs = CosSinRaw{};
+        m.cs = needs_cs && m.live && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, rotary_index(lane))
+                                                : CosSinRaw{};
       }
       // Phase 3: the math and the stores.
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) process(a, lane, it[u]);
+      for (int u = 0; u < kUnroll; ++u) {
+        process(a, lane, r, wf, cur[u]);
+        cur[u] = next[u];
+      }
     }
   }
 
-  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Item& m) {
+  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role,
+                                 const float (&wf)[kVec], const Token& m) {
     const uint32_t d0 = lane * kVec;
-    const int64_t t = m.tok, slot = m.slot;
-    const int kind = m.kind, head = m.head;
+    const int64_t t = m.t, slot = m.slot;
+    const int kind = role.kind, head = role.head;
     float f[kVec];
     unpack8<M>(m.x, f);
     if (kind == kV) {
@@ -367,10 +385,9 @@ struct Fused {
 #pragma unroll
     for (int sh = LPH / 2; sh >= 1; sh /= 2) ss += shfl_xor<LPH>(ss, sh);
     const float inv = 1.0f / sqrtf(ss / float(D) + a.eps);
-    float w[kVec], n[kVec], y[kVec];
-    unpack8<M>(m.w, w);
+    float n[kVec], y[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) n[j] = (f[j] * inv) * (VT::kGemma ? 1.0f + w[j] : w[j]);
+    for (int j = 0; j < kVec; ++j) n[j] = (f[j] * inv) * wf[j];
     rope(m.cs, a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, n, y);
     if (!m.live || m.pos < 0) return;
     float r[kVec];
@@ -404,74 +421,77 @@ struct Fused {
     }
   }
 
-  // V for layouts whose 16-byte runs span tokens: a lane owns TG consecutive tokens of
-  // one 8-dim chunk. When those tokens sit on consecutive aligned slots of one page (a
-  // prefill run), each dim's TG values leave as one store; otherwise (decode, padding,
-  // shuffled slots) each value is stored alone.
+  // V for layouts whose 16-byte runs span tokens (SHUFFLE): a lane owns the TG tokens of
+  // one group (see v_group_start) for one 8-dim chunk. When their slots are consecutive
+  // (a prefill run), each dim's TG values leave as one store; otherwise value by value.
   static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks) {
     using C = typename VT::V;
-    constexpr int TG = C::kSlotVec, EB = C::kElemBytes, NB = TG * EB;
+    constexpr int TG = C::kSlotVec, EB = C::kElemBytes;
+    constexpr int CH = TG < 8 ? TG : 8, NB = CH * EB;      // tokens and bytes per store
     constexpr int kWords = kVec * EB / 4;                  // packed words per token
     const int lane = threadIdx.x % LPH;
     const uint32_t d0 = lane * kVec;
-    // Groups go round-robin over the blocks: with few tokens (decode) the scattered
-    // stores then spread over every multiprocessor instead of the first few.
-    const int64_t groups = dims.total_v / LPH, per_block = blockDim.x / LPH;
+    // Groups go round-robin over the blocks, so few tokens still spread over the GPU.
+    const int64_t items = dims.v_groups * NKV, per_block = blockDim.x / LPH;
+    char* base = static_cast<char*>(a.v_cache.data);
     for (int64_t k = threadIdx.x / LPH;; k += per_block) {
       const int64_t item = block + k * nblocks;
-      if (item >= groups) break;
+      if (item >= items) break;
       const uint32_t h = static_cast<uint32_t>(item % NKV);
-      const int64_t t0 = (item / NKV) * TG;
+      const int64_t g = item / NKV;
+      const int64_t s0 = v_group_start(a, dims.v_tokens, g);
+      if (s0 < 0) continue;  // the main loop's
       const int64_t col = int64_t(a.num_heads + NKV + h) * D + d0;
-      uint4 raw[TG];
-      int64_t slot[TG];
+      bool run = true;
 #pragma unroll
-      for (int k = 0; k < TG; ++k) {
-        const bool ok = t0 + k < dims.v_tokens;
-        raw[k] = ok ? load16(static_cast<const char*>(a.qkv) + ((t0 + k) * a.qkv_row_stride + col) * 2)
-                    : make_uint4(0u, 0u, 0u, 0u);
-        slot[k] = ok ? a.slot_mapping[t0 + k] : -1;
-      }
-      uint32_t w[TG][kWords];
+      for (int k2 = 1; k2 < TG - 1; ++k2) run = run && a.slot_mapping[g * TG + k2] == s0 + k2;
+      // Tokens in chunks of at most 8 (16 FP8 tokens would hold 64 registers of rows).
 #pragma unroll
-      for (int k = 0; k < TG; ++k) {
-        if constexpr (kKvFp8) {
-          float f[kVec];
-          unpack8<M>(raw[k], f);
-          uint32_t q[2];
-          pack_fp8<VT::kFp8, VT::kSaturateKv>(f, inv_scale<C, VT::kKvScale>(a.v_scale, h), q);
-          w[k][0] = q[0];
-          w[k][1] = q[1];
+      for (int c = 0; c < TG / CH; ++c) {
+        uint4 raw[CH];
+#pragma unroll
+        for (int k2 = 0; k2 < CH; ++k2)
+          raw[k2] = load16(static_cast<const char*>(a.qkv) +
+                           ((g * TG + c * CH + k2) * a.qkv_row_stride + col) * 2);
+        uint32_t w[CH][kWords];
+#pragma unroll
+        for (int k2 = 0; k2 < CH; ++k2) {
+          if constexpr (kKvFp8) {
+            float f[kVec];
+            unpack8<M>(raw[k2], f);
+            uint32_t q[2];
+            pack_fp8<VT::kFp8, VT::kSaturateKv>(f, inv_scale<C, VT::kKvScale>(a.v_scale, h), q);
+            w[k2][0] = q[0];
+            w[k2][1] = q[1];
+          } else {
+            w[k2][0] = raw[k2].x; w[k2][1] = raw[k2].y; w[k2][2] = raw[k2].z; w[k2][3] = raw[k2].w;
+          }
+        }
+        if (run) {
+          const int64_t first = s0 + c * CH;
+          const int64_t page = first / C::kPageSize;
+          const uint32_t off = static_cast<uint32_t>(first % C::kPageSize);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            uint32_t out[(NB + 3) / 4];
+#pragma unroll
+            for (int i = 0; i < (NB + 3) / 4; ++i) out[i] = 0u;
+#pragma unroll
+            for (int k2 = 0; k2 < CH; ++k2)
+              out[k2 * EB / 4] |= elem_of<EB>(w[k2], j) << (8 * ((k2 * EB) % 4));
+            store_bytes<NB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, out, 0);
+          }
         } else {
-          w[k][0] = raw[k].x; w[k][1] = raw[k].y; w[k][2] = raw[k].z; w[k][3] = raw[k].w;
-        }
-      }
-      bool run = slot[0] >= 0 && slot[0] % TG == 0 && slot[0] + TG <= a.v_cache.capacity;
 #pragma unroll
-      for (int k = 1; k < TG; ++k) run = run && slot[k] == slot[0] + k;
-      char* base = static_cast<char*>(a.v_cache.data);
-      if (run) {
-        const int64_t page = slot[0] / C::kPageSize;
-        const uint32_t off = static_cast<uint32_t>(slot[0] % C::kPageSize);
+          for (int k2 = 0; k2 < CH; ++k2) {
+            const int64_t slot = a.slot_mapping[g * TG + c * CH + k2];  // rare path: read again
+            if (!slot_ok<C>(a.v_cache, slot)) continue;
+            const int64_t page = slot / C::kPageSize;
+            const uint32_t off = static_cast<uint32_t>(slot % C::kPageSize);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          uint32_t out[(NB + 3) / 4];
-#pragma unroll
-          for (int i = 0; i < (NB + 3) / 4; ++i) out[i] = 0u;
-#pragma unroll
-          for (int k = 0; k < TG; ++k)
-            out[k * EB / 4] |= elem_of<EB>(w[k], j) << (8 * ((k * EB) % 4));
-          store_bytes<NB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, out, 0);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < TG; ++k) {
-          if (!slot_ok<C>(a.v_cache, slot[k])) continue;
-          const int64_t page = slot[k] / C::kPageSize;
-          const uint32_t off = static_cast<uint32_t>(slot[k] % C::kPageSize);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            store_bytes<EB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, w[k], j * EB);
+            for (int j = 0; j < kVec; ++j)
+              store_bytes<EB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, w[k2], j * EB);
+          }
         }
       }
     }
@@ -490,7 +510,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksPerSM) fused_kernel(const KV
       return;
     }
   }
-  Fused<VT>::main_loop(a, dims, block - dims.v_blocks, static_cast<int>(gridDim.x) - dims.v_blocks);
+  Fused<VT>::main_loop(a, dims, block - dims.v_blocks);
 }
 
 template <class VT>
@@ -498,38 +518,39 @@ int launch(const kvf_args_t* a, void* stream) {
   using F = Fused<VT>;
   if (a->num_tokens <= 0) return 0;
   Dims dims;
-  dims.heads = F::heads_main(a->num_heads, a->num_index_heads);
-  dims.heads_div = make_fastdiv(static_cast<uint32_t>(dims.heads));
-  dims.total_main = int64_t(a->num_tokens) * dims.heads * F::LPH;
+  dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads) * F::LPH;
   dims.v_tokens = a->num_slots < a->num_tokens ? a->num_slots : a->num_tokens;
-  dims.total_v = 0;
-  if constexpr (F::kVTransposed) {
-    constexpr int TG = VT::V::kSlotVec;
-    dims.total_v = (dims.v_tokens + TG - 1) / TG * F::NKV * F::LPH;
-  }
-  // Items are decoded in 32-bit arithmetic (FastDiv needs n < 2^31).
-  if (dims.total_main / F::LPH >= (int64_t(1) << 31)) return int(hipErrorInvalidValue);
-  // One wave of resident blocks at most; the loops stride over the rest. While the work
-  // fits, a lane per 16 bytes (few tokens: the most parallelism).
+  dims.v_groups = 0;
+  if constexpr (F::kVTransposed) dims.v_groups = dims.v_tokens / VT::V::kSlotVec;
+  // One wave of resident blocks at most; the main loop's threads then stride over the
+  // tokens. While the work fits, a lane per 16 bytes (few tokens: the most parallelism).
   static int sm_count[64] = {0};
   static int per_sm = 0;
   int dev = 0;
   if (hipGetDevice(&dev) != hipSuccess) return int(hipGetLastError());
-  if (dev < 64 && sm_count[dev] == 0) {
-    hipDeviceGetAttribute(&sm_count[dev], hipDeviceAttributeMultiprocessorCount, dev);
-    if (per_sm == 0) hipOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused_kernel<VT>, kBlock, 0);
+  if (dev < 64 && sm_count[dev] == 0) {  // queried once; a failed query keeps the defaults below
+    int n = 0, b = 0;
+    if (hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, dev) == hipSuccess) sm_count[dev] = n;
+    if (per_sm == 0 && hipOccupancyMaxActiveBlocksPerMultiprocessor(&b, fused_kernel<VT>, kBlock, 0) == hipSuccess)
+      per_sm = b;
   }
   const int64_t cap = int64_t(dev < 64 && sm_count[dev] ? sm_count[dev] : 132) * (per_sm > 0 ? per_sm : 1);
-  int64_t main_blocks = (dims.total_main + kBlock - 1) / kBlock;
-  int64_t v_blocks = (dims.total_v + kBlock - 1) / kBlock;
+  const int64_t total_main = int64_t(a->num_tokens) * dims.lanes_per_token;
+  const int64_t total_v = dims.v_groups * F::NKV * F::LPH;
+  int64_t main_blocks = (total_main + kBlock - 1) / kBlock;
+  int64_t v_blocks = (total_v + kBlock - 1) / kBlock;
   if (main_blocks + v_blocks > cap) {
-    // Split the wave by bytes moved: a V lane carries TG tokens of 16 bytes.
-    const double v_work = double(dims.total_v) * (F::kVTransposed ? VT::V::kSlotVec : 0);
-    const double share = v_work / (v_work + double(dims.total_main));
+    // Split the wave by bytes moved: a V lane carries slot_vec tokens of 16 bytes.
+    const double v_work = double(total_v) * VT::V::kSlotVec;
+    const double share = v_work / (v_work + double(total_main));
     v_blocks = v_blocks ? static_cast<int64_t>(share * cap + 0.5) : 0;
-    if (dims.total_v && v_blocks < 1) v_blocks = 1;
-    main_blocks = cap - v_blocks > 1 ? cap - v_blocks : 1;
+    if (total_v && v_blocks < 1) v_blocks = 1;
+    main_blocks = cap - v_blocks;
   }
+  // Every main-loop thread keeps one head lane; at least one token's worth of them.
+  const int64_t min_main = (dims.lanes_per_token + kBlock - 1) / kBlock;
+  if (main_blocks < min_main) main_blocks = min_main;
+  dims.tokens_per_pass = main_blocks * kBlock / dims.lanes_per_token;
   dims.v_blocks = static_cast<int32_t>(v_blocks);
   const int64_t blocks = main_blocks + v_blocks;
   fused_kernel<VT><<<static_cast<unsigned>(blocks), kBlock, 0, static_cast<hipStream_t>(stream)>>>(*a, dims);

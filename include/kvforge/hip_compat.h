@@ -160,22 +160,62 @@ KVF_DEVICE uint32_t fp8_from_float_soft(float f) {
   return code | sign;
 }
 
-// Two values at once (a in the low byte). Where the target converts e4m3fn in hardware
-// (sm_89+), that is used: it saturates, so unclamped input past the rounding range is
-// patched to NaN afterwards, keeping the software semantics.
+// The target's own converter, where it has one for flavour F: sm_89+ for e4m3fn,
+// gfx942 for e4m3fnuz, gfx950 for e4m3fn (OCP).
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+template <Fp8 F> constexpr bool kHardwareFp8 = F == Fp8::E4M3FN;
+#elif defined(KVF_HIP) && defined(__gfx942__)
+template <Fp8 F> constexpr bool kHardwareFp8 = F == Fp8::E4M3FNUZ;
+#elif defined(KVF_HIP) && defined(__gfx950__)
+template <Fp8 F> constexpr bool kHardwareFp8 = F == Fp8::E4M3FN;
+#else
+template <Fp8 F> constexpr bool kHardwareFp8 = false;
+#endif
+
+// Whether the converter itself saturates out-of-range input (NVIDIA's .satfinite does);
+// otherwise input is clamped before it.
+#if defined(KVF_CUDA)
+constexpr bool kHardwareFp8Saturates = true;
+#else
+constexpr bool kHardwareFp8Saturates = false;
+#endif
+
+// Two values to FP8 with the hardware (in range, or any if it saturates); a in the low byte.
+template <Fp8 F>
+KVF_DEVICE uint32_t fp8x2_hardware(float a, float b) {
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+#elif defined(KVF_HIP) && (defined(__gfx942__) || defined(__gfx950__))
+  return static_cast<uint32_t>(__builtin_amdgcn_cvt_pk_fp8_f32(a, b, 0, false)) & 0xffffu;
+#else
+  return fp8_from_float_soft<F>(a) | (fp8_from_float_soft<F>(b) << 8);
+#endif
+}
+
+// A value past the rounding range (or NaN) becomes the format's NaN, as in software.
+template <Fp8 F>
+KVF_DEVICE uint32_t fp8_overflow_to_nan(uint32_t code, float v) {
+  const float mag = fabsf(v);
+  const bool over = F == Fp8::E4M3FN ? !(mag <= 464.0f) : !(mag < 248.0f);
+  if (!over) return code;
+  return F == Fp8::E4M3FN ? 0x7fu | ((float_to_bits(v) >> 24) & 0x80u) : 0x80u;
+}
+
+// Two values at once (a in the low byte). The hardware converters saturate or differ
+// out of range, so they only ever see clamped input; without saturation (Clamped false)
+// the out-of-range results are then patched to NaN.
 template <Fp8 F, bool Clamped>
 KVF_DEVICE uint32_t fp8x2_from_float(float a, float b) {
-#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  if constexpr (F == Fp8::E4M3FN) {
-    uint32_t r = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-    if constexpr (!Clamped) {
-      if (!(fabsf(a) <= 464.0f)) r = (r & 0xff00u) | 0x7fu | ((float_to_bits(a) >> 24) & 0x80u);
-      if (!(fabsf(b) <= 464.0f)) r = (r & 0x00ffu) | ((0x7fu | ((float_to_bits(b) >> 24) & 0x80u)) << 8);
-    }
-    return r;
+  if constexpr (kHardwareFp8<F>) {
+    constexpr float kMax = Fp8Format<F>::kMax;
+    constexpr bool kClamp = !Clamped && !kHardwareFp8Saturates;
+    const uint32_t r = fp8x2_hardware<F>(kClamp ? fminf(fmaxf(a, -kMax), kMax) : a,
+                                         kClamp ? fminf(fmaxf(b, -kMax), kMax) : b);
+    if constexpr (Clamped) return r;
+    return fp8_overflow_to_nan<F>(r & 0xffu, a) | (fp8_overflow_to_nan<F>(r >> 8, b) << 8);
+  } else {
+    return fp8_from_float_soft<F>(a) | (fp8_from_float_soft<F>(b) << 8);
   }
-#endif
-  return fp8_from_float_soft<F>(a) | (fp8_from_float_soft<F>(b) << 8);
 }
 
 // ---- 16-byte global memory access -------------------------------------------------
