@@ -1,13 +1,14 @@
 """H200 benchmark of the fused op against the unfused torch path (SPEC §5, §8).
 
-    python benchmarks/bench.py [--out benchmarks/results] [--peers eager,compile] [--quick]
+    python benchmarks/bench.py [--name h200] [--peers eager,compile] [--tokens ...] [--tp ...]
 
 In one run on one GPU: a 2 GiB device-to-device copy (read + write) as the roofline;
 every case of MiniMax-M3 TP1/TP4/TP8 × tokens × {vllm_shuffle16 bf16, vllm_shuffle16 FP8,
 sglang_nhd bf16, vllm_m3 bf16}, each checked against the reference first, then timed as
 GPU time per call under CUDA-graph replay of many back-to-back calls (median of several
 replays), rotating input sets so the working set is several times the 60 MB L2; the peers
-on the same inputs the same way. Writes h200.json, BENCHMARKS.md and a plot.
+on the same inputs the same way. Writes benchmarks/results/<name>.json and regenerates
+BENCHMARKS.md and the plot (benchmarks/report.py).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.unfused import unfused  # noqa: E402
+from benchmarks.unfused import layouts, unfused  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from codegen.model import IndexMode  # noqa: E402
 from runtime import build, fused_qknorm_rope_cache, toolchain  # noqa: E402
@@ -104,7 +105,7 @@ def graph_us(calls: list, reps: int = 7) -> float:
     return statistics.median(events_ms(g.replay, reps)) * 1e3 / len(calls)
 
 
-def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict) -> dict:
+def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_min_tokens: int) -> dict:
     nq, _, niq = TP[tp]
     slots = "decode" if tokens <= 256 else "prefill"
     probe = make_inputs(v, tokens, nq, niq, slots=slots, device="cuda", seed=0)
@@ -127,10 +128,13 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict) -> dict:
         "us_event_per_call": statistics.median(events_ms(ours[0], 30)) * 1e3,
     }
     rec["gbps"] = nbytes / rec["us"] / 1e3
+    lay = layouts(v)
     for peer in peers:
+        if peer == "compile" and tokens < compile_min_tokens:
+            continue
         fn = unfused if peer == "eager" else compiled.setdefault(
             (v.uri, tp), torch.compile(unfused, dynamic=True))
-        calls = [functools.partial(fn, v, s, s["q_out"], s.get("index_q_out")) for s in sets]
+        calls = [functools.partial(fn, v, lay, s, s["q_out"], s.get("index_q_out")) for s in sets]
         calls = [calls[i % n_sets] for i in range(min(n_calls, max(n_sets, 20)))]
         try:
             rec[f"{peer}_us"] = graph_us(calls, reps=5)
@@ -177,34 +181,29 @@ def build_costs(variants) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="h200.json and the plot")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="where <name>.json goes")
+    ap.add_argument("--name", default="h200", help="the result file's name (h200 = the full sweep)")
     ap.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"), help="where the tables go")
     ap.add_argument("--peers", default="eager,compile")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--tp", default="1,4,8")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--compile-min-tokens", type=int, default=1024,
+                    help="time the torch.compile peer from this many tokens on (each shape compiles)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     peers = [p for p in args.peers.split(",") if p]
     torch.backends.cuda.matmul.allow_tf32 = False
+    # One compiled peer per configuration and TP; its cache writes recompile per cache rank.
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
     gpu = torch.cuda.get_device_name()
     copy = copy_bandwidth()
     print(f"{gpu}: copy {copy:.0f} GB/s", flush=True)
     variants = {(name, tp): find_variant(axes, TP[tp][1]) for name, axes in CONFIGS.items()
                 for tp in map(int, args.tp.split(","))}
     build.build_many([build.Job(v.uri, source_of(v)) for v in set(variants.values())], toolchain.default())
-    records, compiled = [], {}
-    for name in args.configs.split(","):
-        for tp in map(int, args.tp.split(",")):
-            for tokens in map(int, args.tokens.split(",")):
-                rec = run_case(variants[(name, tp)], tp, tokens, peers, compiled)
-                rec["config"] = name
-                rec["pct_copy"] = 100 * rec["gbps"] / copy
-                records.append(rec)
-                peer_txt = " ".join(f"{p} {rec.get(p + '_us') or float('nan'):.1f}" for p in peers)
-                print(f"{name:20s} tp{tp} T={tokens:6d} {rec['us']:9.2f} us {rec['gbps']:7.0f} GB/s "
-                      f"{rec['pct_copy']:5.1f}%  event {rec['us_event_per_call']:.1f}  {peer_txt}", flush=True)
     result = {
         "gpu": gpu, "torch": torch.__version__, "copy_gbps": copy,
         "command": "python benchmarks/bench.py " + " ".join(sys.argv[1:]),
@@ -212,10 +211,22 @@ def main() -> int:
                   "sets; median of replays; us_event_per_call = CUDA events around one eager call",
         "host_overhead_us": host_overhead_us(next(iter(variants.values()))),
         "build": build_costs(sorted({v for v in variants.values()}, key=lambda v: v.uri)[:4]),
-        "records": records,
+        "records": [],
     }
-    (out / "h200.json").write_text(json.dumps(result, indent=1) + "\n")
-    write_report(result, out, Path(args.md))
+    records, compiled = result["records"], {}
+    for name in args.configs.split(","):
+        for tp in map(int, args.tp.split(",")):
+            for tokens in map(int, args.tokens.split(",")):
+                rec = run_case(variants[(name, tp)], tp, tokens, peers, compiled, args.compile_min_tokens)
+                rec["config"] = name
+                rec["pct_copy"] = 100 * rec["gbps"] / copy
+                records.append(rec)
+                peer_txt = " ".join(f"{p} {rec.get(p + '_us') or float('nan'):.1f}" for p in peers)
+                print(f"{name:20s} tp{tp} T={tokens:6d} {rec['us']:9.2f} us {rec['gbps']:7.0f} GB/s "
+                      f"{rec['pct_copy']:5.1f}%  event {rec['us_event_per_call']:.1f}  {peer_txt}", flush=True)
+        # Written after every configuration, so a run cut short still leaves its results.
+        (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        write_report(out, Path(args.md))
     print(f"host overhead {result['host_overhead_us']:.1f} us/call; build {result['build']}")
     return 0
 

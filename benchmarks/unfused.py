@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from codegen.model import IndexMode, KvScale, Norm, Saturation, Variant
+from codegen.layout import CacheAccess, access
 from runtime.reference import rope, to_fp8, write_slots
 
 
@@ -15,7 +16,12 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float, norm: Norm) -> torch.Ten
     return n * (1.0 + w.float() if norm is Norm.GEMMA else w.float())
 
 
-def unfused(v: Variant, a: dict, q_out: torch.Tensor, index_q_out) -> None:
+def layouts(v: Variant) -> dict[str, CacheAccess]:
+    """The contract's caches at this variant's sizes, looked up outside any trace."""
+    return {role: access(v, role) for role in ("k", "v", "index")}
+
+
+def unfused(v: Variant, lay: dict[str, CacheAccess], a: dict, q_out: torch.Tensor, index_q_out) -> None:
     """Same outputs as the fused op (model-dtype rounding), written by separate torch ops."""
     D, R, nkv, nq = v.head_dim, v.rotary_dim, v.num_kv_heads, a["num_heads"]
     niq = a["num_index_heads"]
@@ -37,8 +43,8 @@ def unfused(v: Variant, a: dict, q_out: torch.Tensor, index_q_out) -> None:
         vs = (1.0 / a["v_scale"]).view(1, -1, 1) if "v_scale" in a else 1.0
         k = to_fp8(k.float() * ks, v.fp8, sat)
         vv = to_fp8(vv.float() * vs, v.fp8, sat)
-    write_slots(v, "k", k_cache, a["slot_mapping"], k)
-    write_slots(v, "v", v_cache, a["slot_mapping"], vv)
+    write_slots(lay["k"], k_cache, a["slot_mapping"], k)
+    write_slots(lay["v"], v_cache, a["slot_mapping"], vv)
     if v.index_mode is not IndexMode.FULL:
         return
     base = nq + 2 * nkv
@@ -49,4 +55,4 @@ def unfused(v: Variant, a: dict, q_out: torch.Tensor, index_q_out) -> None:
         ik = to_fp8(ik.float(), v.fp8, True)
     else:
         index_q_out.copy_(iq.to(model).view_as(index_q_out))
-    write_slots(v, "index", a["index_cache"], a.get("index_slot_mapping", a["slot_mapping"]), ik)
+    write_slots(lay["index"], a["index_cache"], a.get("index_slot_mapping", a["slot_mapping"]), ik)

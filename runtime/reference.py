@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from codegen.layout import VEC, access
+from codegen.layout import VEC, CacheAccess, access
 from codegen.model import Fp8, IndexMode, KvScale, Norm, Saturation, Variant
 
 FP8_DTYPES = {Fp8.E4M3FN: torch.float8_e4m3fn, Fp8.E4M3FNUZ: torch.float8_e4m3fnuz}
@@ -93,19 +93,21 @@ class Tensors:
     eps: float
 
 
-def write_slots(v: Variant, role: str, cache: torch.Tensor, slots: torch.Tensor,
+def write_slots(acc: CacheAccess, cache: torch.Tensor, slots: torch.Tensor,
                 values: torch.Tensor) -> None:
     """Write values [N, H, D] (cache dtype) at valid slots [N] through the contract's
     offsets. No data-dependent shapes, so it also serves CUDA graphs and torch.compile."""
-    acc = access(v, role)
     page = (slots // acc.page_size).view(-1, 1, 1)
     off = (slots % acc.page_size).view(-1, 1, 1)
     h = torch.arange(values.shape[1], device=slots.device).view(1, -1, 1)
     d = torch.arange(values.shape[2], device=slots.device).view(1, 1, -1)
     offsets = torch.as_tensor(acc.offset_torch(page, off, h, d, cache.stride()), device=slots.device)
     bits = _BITS[cache.element_size()]
-    span = sum((s - 1) * st for s, st in zip(cache.shape, cache.stride())) + 1
-    flat = cache.view(bits).as_strided((span,), (1,))
+    if cache.is_contiguous():  # a plain view: torch.compile can functionalize the write
+        flat = cache.view(bits).view(-1)
+    else:                      # free strides: the elements of the view's span
+        span = sum((s - 1) * st for s, st in zip(cache.shape, cache.stride())) + 1
+        flat = cache.view(bits).as_strided((span,), (1,))
     flat[offsets.expand(values.shape).reshape(-1)] = values.reshape(-1).view(bits)
 
 
@@ -115,7 +117,7 @@ def _scatter(v: Variant, role: str, cache: torch.Tensor, slots: torch.Tensor,
     acc = access(v, role)
     keep = (slots >= 0) & (slots < cache.shape[acc.runtime_dim] * acc.page_size)
     if bool(keep.any()):
-        write_slots(v, role, cache, slots[keep], values[keep])
+        write_slots(acc, cache, slots[keep], values[keep])
 
 
 def _assign_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:

@@ -5,12 +5,13 @@
 // name: cache addresses come from Traits::{K,V,Index}::offset, vector widths from the
 // layout analysis in codegen/layout.py.
 //
-// Work split: a flat index space of 16-byte lanes. One head of D dims is D/8 adjacent
-// lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction and
-// the RoPE partner exchange are shuffles inside the group. A thread keeps one head lane
-// for every token it visits and loads the next tokens' rows while computing the current. V of a layout that scatters one token's dims
-// (SHUFFLE) is written by a second loop in which a lane owns `slot_vec` consecutive
-// tokens of one dim chunk and transposes them in registers into whole 16-byte stores.
+// Work split: 16-byte lanes. One head of D dims is D/8 adjacent lanes ("a group");
+// groups never straddle a warp or wave, so the RMSNorm reduction and the RoPE partner
+// exchange are shuffles inside the group. A main-loop thread keeps one head lane for
+// every token it visits and loads the next tokens' rows while computing the current.
+// V of a layout that scatters one token's dims (SHUFFLE) goes, for prefill runs, to a
+// second loop in its own blocks, in which a lane owns `slot_vec` consecutive tokens of
+// one dim chunk and transposes them in registers into whole vector stores.
 #pragma once
 
 #include "kvforge/abi.h"
@@ -142,7 +143,6 @@ struct Fused {
   static constexpr int HALF = R / 2;
   static constexpr int NKV = VT::kNumKvHeads;
   static constexpr bool kIndex = VT::kIndexMode == IndexMode::Full;
-  static constexpr bool kRowHasIndex = VT::kIndexMode != IndexMode::None;
   static constexpr bool kKvFp8 = VT::kKvScale != Scale::None;
   static constexpr bool kVTransposed = VT::V::kDVec == 1 && VT::V::kSlotVec > 1;
   // Tokens per thread per iteration; the next iteration's are loaded meanwhile, so

@@ -24,7 +24,6 @@
 typedef cudaStream_t hipStream_t;
 typedef cudaError_t hipError_t;
 #define hipSuccess cudaSuccess
-#define hipErrorInvalidValue cudaErrorInvalidValue
 #define hipGetLastError cudaGetLastError
 #define hipGetErrorString cudaGetErrorString
 #define hipGetDevice cudaGetDevice
@@ -217,13 +216,5 @@ KVF_DEVICE uint32_t fp8x2_from_float(float a, float b) {
     return fp8_from_float_soft<F>(a) | (fp8_from_float_soft<F>(b) << 8);
   }
 }
-
-// ---- 16-byte global memory access -------------------------------------------------
-template <int Bytes> struct Chunk;
-template <> struct Chunk<16> { using type = uint4; };
-template <> struct Chunk<8> { using type = uint2; };
-template <> struct Chunk<4> { using type = uint32_t; };
-template <> struct Chunk<2> { using type = uint16_t; };
-template <> struct Chunk<1> { using type = uint8_t; };
 
 }  // namespace kvf
