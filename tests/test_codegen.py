@@ -93,3 +93,22 @@ def test_layout_analysis_of_the_seed():
     assert (idx.d_vec, idx.elem_size) == (8, 1)
     bf16 = SPEC.variant(GOLDEN_URIS[2])
     assert (access(bf16, "v").d_vec, access(bf16, "v").slot_vec) == (1, 8)
+
+
+def test_list_filters_by_name():
+    proc = subprocess.run([sys.executable, "-m", "codegen", "list", "--filter", "vllm_m3_*",
+                           "--exclude", "*kvperhead*"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    names = proc.stdout.split()
+    want = [v.uri for v in SPEC.variants if v.contract.name == "vllm_m3" and v.kv_scale.value != "per_head"]
+    assert names == want and names
+    assert f"{len(want)} variants ({len(SPEC.variants)} in variants.yaml" in proc.stderr
+
+
+def test_broken_yaml_fails_check_with_the_line(tmp_path):
+    bad = tmp_path / "variants.yaml"
+    bad.write_text(VARIANTS_YAML.read_text().replace("  norm: gemma", "  norm: gemma\n  norm: plain", 1))
+    proc = subprocess.run([sys.executable, "-m", "codegen", "check", "--spec", str(bad)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "variants.yaml:" in proc.stderr and "duplicate key 'norm'" in proc.stderr

@@ -49,3 +49,41 @@ def test_errors_point_at_the_column(text, message):
     with pytest.raises(ex.ExprError) as info:
         ex.parse(text, frozenset({"d", "h"}) if "dd" in text else None)
     assert str(info.value) == message
+
+
+# ---- properties over random expressions (hypothesis) -----------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+NAMES = ("d", "off", "x", "page")
+_leaf = st.one_of(st.integers(0, 40).map(ex.Num), st.sampled_from(NAMES).map(ex.Sym))
+_exprs = st.recursive(
+    _leaf,
+    lambda inner: st.builds(ex.BinOp, st.sampled_from(["+", "*", "//", "%", "-"]), inner, inner),
+    max_leaves=12)
+_env = st.fixed_dictionaries({n: st.integers(1, 50) for n in NAMES})
+
+
+def _safe_eval(e, env):
+    try:
+        return ex.evaluate(e, env)
+    except ZeroDivisionError:
+        return "div0"
+
+
+@settings(max_examples=300, deadline=None)
+@given(_exprs, _env)
+def test_rendering_then_parsing_keeps_the_value(e, env):
+    """str() inserts exactly the parentheses needed: re-parsing gives the same function."""
+    assert _safe_eval(ex.parse(str(e)), env) == _safe_eval(e, env)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_exprs, _env)
+def test_substitution_folds_without_changing_the_value(e, env):
+    folded_env = {"x": env["x"], "page": env["page"]}
+    try:
+        folded = ex.substitute(e, folded_env)
+    except ZeroDivisionError:
+        return
+    assert _safe_eval(folded, env) == _safe_eval(e, env)
