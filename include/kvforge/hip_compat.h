@@ -34,6 +34,8 @@ typedef cudaError_t hipError_t;
 #endif
 
 #define KVF_DEVICE __device__ __forceinline__
+// Pure arithmetic helpers also compile for the host, so tests can run them on a CPU.
+#define KVF_HOST_DEVICE __host__ __device__ __forceinline__
 
 namespace kvf {
 
@@ -75,8 +77,13 @@ KVF_DEVICE float shfl(float v, int src_lane) {
 }
 
 // ---- bit casts -----------------------------------------------------------------------
-KVF_DEVICE float bits_to_float(uint32_t u) { return __uint_as_float(u); }
-KVF_DEVICE uint32_t float_to_bits(float f) { return __float_as_uint(f); }
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+KVF_HOST_DEVICE float bits_to_float(uint32_t u) { return __uint_as_float(u); }
+KVF_HOST_DEVICE uint32_t float_to_bits(float f) { return __float_as_uint(f); }
+#else
+KVF_HOST_DEVICE float bits_to_float(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
+KVF_HOST_DEVICE uint32_t float_to_bits(float f) { uint32_t u; __builtin_memcpy(&u, &f, 4); return u; }
+#endif
 
 // ---- 16-bit float formats (held as raw bits so no vendor type leaks out) -------------
 struct BF16 {
@@ -131,7 +138,7 @@ struct Fp8Format {
 };
 
 template <Fp8 F>
-KVF_DEVICE uint32_t fp8_from_float_soft(float f) {
+KVF_HOST_DEVICE uint32_t fp8_from_float_soft(float f) {
   constexpr int kBias = Fp8Format<F>::kBias;
   constexpr uint32_t kNan = F == Fp8::E4M3FN ? 0x7fu : 0x80u;
   const uint32_t u = float_to_bits(f);
