@@ -494,6 +494,10 @@ _DEFAULT_CHECKS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool) or value is None
+
+
 def _axis_values(value: Any) -> list:
     return list(value) if isinstance(value, list) else [value]
 
@@ -553,6 +557,7 @@ def _parse_family(errs: _Errors, i: int, data: Any, line: int, defaults: Mapping
     """Expand a family (product of its axes, minus excludes, plus includes) into variants.
     Points on a contract that failed to parse are skipped: its errors are already reported."""
     path = f"families[{i}]"
+    n_before = len(errs.items)
     sec = _Section(errs, data, path, line, ("name", "axes", "exclude", "include"))
     if not sec.ok:
         return None
@@ -566,6 +571,9 @@ def _parse_family(errs: _Errors, i: int, data: Any, line: int, defaults: Mapping
     for key, value in axes.data.items():
         if isinstance(value, list) and not value:
             errs.add(axes.key_line(key), f"{path}.axes.{key}", "an empty list selects nothing")
+        elif not all(_is_scalar(v) for v in _axis_values(value)):
+            errs.add(axes.key_line(key), f"{path}.axes.{key}",
+                     f"expected a value or a list of values, got {value!r}")
     if "contract" not in axes.data and "axes" in sec.data:
         errs.add(axes.line, f"{path}.axes.contract", "missing required key")
     rules: dict[str, list[tuple[int, LocDict]]] = {}
@@ -578,9 +586,13 @@ def _parse_family(errs: _Errors, i: int, data: Any, line: int, defaults: Mapping
         for j, rule in enumerate(raw):
             rline = _line_of(raw, j, sec.key_line(kind))
             rsec = _Section(errs, rule, f"{path}.{kind}[{j}]", rline, AXES)
-            if rsec.ok:
+            bad = [k for k, v in rsec.data.items() if not all(_is_scalar(x) for x in _axis_values(v))]
+            for k in bad:
+                errs.add(rsec.key_line(k), f"{path}.{kind}[{j}].{k}",
+                         f"expected a value or a list of values, got {rsec.data[k]!r}")
+            if rsec.ok and not bad:
                 rules[kind].append((rline, rule))
-    if errs.items and any(it.split(": ", 2)[1].startswith(path) for it in errs.items):
+    if len(errs.items) > n_before:  # the family's own shape is wrong: expanding it would mislead
         return None
 
     def product(fixed: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
@@ -628,6 +640,8 @@ def parse_spec(text: str, filename: str = "variants.yaml") -> Spec:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark else 0
         raise SpecError([f"{filename}:{line}: {e.problem or e.context}"]) from None
+    except yaml.YAMLError as e:  # e.g. a character YAML cannot read: no line to give
+        raise SpecError([f"{filename}: {e}"]) from None
     top = _Section(errs, data if data is not None else LocDict(), "", 1,
                    ("version", "defaults", "contracts", "families"))
     if not top.ok:
@@ -638,6 +652,7 @@ def parse_spec(text: str, filename: str = "variants.yaml") -> Spec:
     for key in ("defaults", "contracts", "families"):
         if key not in top.data:
             errs.add(1, key, "missing required key")
+    n_before_defaults = len(errs.items)
     defaults_sec = _Section(errs, top.data.get("defaults", LocDict()), "defaults",
                             top.key_line("defaults"), [a for a in AXES if a != "contract"])
     for axis in AXES:
@@ -647,6 +662,7 @@ def parse_spec(text: str, filename: str = "variants.yaml") -> Spec:
             errs.add(defaults_sec.key_line(axis), f"defaults.{axis}", "a default is one value, not a list")
         elif axis in defaults_sec.data:
             defaults_sec.get(axis, _DEFAULT_CHECKS[axis])
+    defaults_broken = len(errs.items) > n_before_defaults
     contracts: dict[str, Contract] = {}
     csec = _Section(errs, top.data.get("contracts", LocDict()), "contracts",
                     top.key_line("contracts"), list(top.data.get("contracts") or {}))
@@ -662,7 +678,7 @@ def parse_spec(text: str, filename: str = "variants.yaml") -> Spec:
     if not isinstance(raw_families, list):
         errs.add(top.key_line("families"), "families", "expected a list of families")
         raw_families = []
-    if not defaults_sec.ok or any(it.split(": ", 2)[1].startswith("defaults") for it in errs.items):
+    if not defaults_sec.ok or defaults_broken or "defaults" not in top.data:
         raise SpecError(errs.items)  # every family point would repeat a defaults error
     seen_names: dict[str, int] = {}
     defaults = {**defaults_sec.data, "contract": None}

@@ -33,6 +33,7 @@ _DTYPE = {DType.BF16: "BF16", DType.FP16: "FP16", DType.FP32: "F32"}
 _INDEX_MODE = {IndexMode.FULL: "Full", IndexMode.SKIP: "Skip", IndexMode.NONE: "None"}
 _SCALE = {KvScale.NONE: "None", KvScale.UNIT: "Unit", KvScale.PER_TENSOR: "PerTensor",
           KvScale.PER_HEAD: "PerHead"}
+# A variant that stores nothing as FP8 still names a flavour constant; the kernel never reads it.
 _FP8 = {Fp8.E4M3FN: "E4M3FN", Fp8.E4M3FNUZ: "E4M3FNUZ", None: "E4M3FN"}
 _PARAMS = (("c", "const kvf_cache_t& c"), ("page", "int64_t page"), ("off", "uint32_t off"),
            ("h", "uint32_t h"), ("d", "uint32_t d"))

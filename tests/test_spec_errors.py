@@ -145,3 +145,38 @@ def test_off_is_not_a_boolean():
     # YAML 1.1 would read `off` as false; here it stays the index symbol.
     spec = parse_spec(BASE)
     assert str(spec.contracts["paged"].v.index[1]) == "off"
+
+
+def test_missing_sections_are_reported_not_crashed_on():
+    start, end = BASE.index("defaults:"), BASE.index("contracts:")
+    assert errors(BASE[:start] + BASE[end:]) == ["variants.yaml:1: defaults: missing required key"]
+    assert errors("version: 1\n") == ["variants.yaml:1: defaults: missing required key",
+                                      "variants.yaml:1: contracts: missing required key",
+                                      "variants.yaml:1: families: missing required key"]
+
+
+# ---- any edit either parses or is reported (hypothesis) ---------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_LINES = BASE.splitlines()
+_VALUES = ["", "0", "-1", "3", "[]", "{}", "x", "1/0", "d // 0", "off", "true", "[a, b]", "[0, 9]",
+           "pages", "bf16", "per_head", "e4m3fnuz", "[page, h]", "'('", "null", "*nope", "!!binary x",
+           "{a: 1}", "[[1]]", "1.5", "-1/2"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_LINES) - 1), st.sampled_from(_VALUES + [None])),
+                min_size=1, max_size=3))
+def test_any_edit_parses_or_is_reported(edits):
+    lines = list(_LINES)
+    for i, value in edits:
+        if value is None:
+            lines[i] = ""  # a deleted line
+        elif ":" in lines[i]:
+            key = lines[i].split(":", 1)[0]
+            lines[i] = f"{key}: {value}"
+    try:
+        parse_spec("\n".join(lines) + "\n")
+    except SpecError as e:
+        assert all(err.startswith("variants.yaml:") for err in e.errors), e.errors
