@@ -92,13 +92,13 @@ def _impl(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, slot_mapping: T
     _run(qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
          k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
          k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
-         eps, contract, index_mode, norm, checked, qkv.device.type == "cpu")
+         eps, contract, index_mode, norm, checked, False)
 
 
 def _run(qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
          k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
          k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
-         eps, contract, index_mode, norm, checked, use_reference) -> None:
+         eps, contract, index_mode, norm, checked, force_reference) -> None:
     variant, t = check(
         contract=contract, index_mode=index_mode, norm=norm, qkv=qkv, positions=positions,
         cos_sin_cache=cos_sin_cache, slot_mapping=slot_mapping, k_cache=k_cache, v_cache=v_cache,
@@ -109,7 +109,7 @@ def _run(qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache
         k_scale=k_scale, v_scale=v_scale, q_out=q_out, index_q_out=index_q_out)
     if checked:
         check_ranges(variant, t)
-    if use_reference:
+    if force_reference or t.qkv.device.type == "cpu":
         reference.run(variant, t)
     else:
         _launch(variant, t)
@@ -173,7 +173,7 @@ def fused_qknorm_rope_cache(
             k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
             float(eps), contract, index_mode, norm, checked)
     if _reference:
-        _run(*args, use_reference=True)
+        _run(*args, force_reference=True)
     elif torch.compiler.is_compiling():
         _op(*args)
     else:

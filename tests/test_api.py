@@ -29,7 +29,7 @@ def seed_args(v=SEED, tokens=6, **kw):
 
 
 def snapshot(args):
-    return {k: args[k].clone() for k in MUTABLE if args.get(k) is not None}
+    return {k: args[k].clone() for k in MUTABLE if isinstance(args.get(k), torch.Tensor)}
 
 
 def assert_untouched(args, snap):
@@ -162,3 +162,34 @@ def test_aiter_adapter_matches_the_native_call():
     for k in MUTABLE:
         if native.get(k) is not None:
             assert torch.equal(native[k].view(torch.uint8), mine[k].view(torch.uint8)), k
+
+
+# ---- any single bad argument: ValueError/TypeError, nothing written (hypothesis) ---------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_FUZZ_BASES = [seed_args(SEED, tokens=5), seed_args(SEED_FP8, tokens=5), seed_args(SGLANG, tokens=5)]
+_FUZZ_KEYS = sorted({k for b in _FUZZ_BASES for k in b})
+_INTS = st.sampled_from([-1, 0, 1, 3, 7, 1000, True, None, 2.0])
+_TENSORS = st.sampled_from([None, 3, 2.5, "x", torch.zeros(3), torch.zeros(5, dtype=torch.int64),
+                            torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(0),
+                            torch.zeros(5, 128, dtype=torch.float8_e4m3fn)])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(range(len(_FUZZ_BASES))), st.sampled_from(_FUZZ_KEYS), st.data())
+def test_any_bad_argument_is_rejected_cleanly(base, key, data):
+    args = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in _FUZZ_BASES[base].items()}
+    if key in ("num_heads", "num_kv_heads", "num_index_heads", "rotary_dim"):
+        args[key] = data.draw(_INTS)
+    elif key == "eps":
+        args[key] = data.draw(st.sampled_from([0.0, -1.0, None, "x", float("nan")]))
+    elif key in ("contract", "index_mode", "norm"):
+        args[key] = data.draw(st.sampled_from(["", "x", None, 3]))
+    else:
+        args[key] = data.draw(_TENSORS)
+    snap = snapshot(args)
+    try:
+        fused_qknorm_rope_cache(**args)
+    except (ValueError, TypeError):
+        assert_untouched(args, snap)
