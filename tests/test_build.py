@@ -133,3 +133,18 @@ def test_cache_key_covers_every_header():
     headers = {p.relative_to(INCLUDE.parent).as_posix() for p in INCLUDE.rglob("*") if p.is_file()}
     assert headers and headers <= set(kernel_sources())
     assert "include/kvforge/fused_qknorm_rope_cache.cuh" in headers
+
+
+def test_rocm_arch_comes_from_the_device(monkeypatch):
+    """On ROCm the offload arch is the device's gcnArchName, features stripped."""
+    import torch
+
+    class Props:
+        gcnArchName = "gfx942:sramecc+:xnack-"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    tc = toolchain.detect(is_rocm=True, which=fake_which({"hipcc": "/opt/rocm/bin/hipcc"}),
+                          run=lambda cmd: HIPCC_OUT, env={})
+    assert tc.arch == "gfx942" and "--offload-arch=gfx942" in tc.flags
