@@ -498,6 +498,14 @@ def _is_scalar(value: Any) -> bool:
     return isinstance(value, (str, int, float)) and not isinstance(value, bool) or value is None
 
 
+def _check_axis_value(errs: _Errors, sec: _Section, key: str, path: str) -> bool:
+    """An axis takes a value or a list of values (never a mapping); report otherwise."""
+    if all(_is_scalar(v) for v in _axis_values(sec.data[key])):
+        return True
+    errs.add(sec.key_line(key), path, f"expected a value or a list of values, got {sec.data[key]!r}")
+    return False
+
+
 def _axis_values(value: Any) -> list:
     return list(value) if isinstance(value, list) else [value]
 
@@ -571,9 +579,8 @@ def _parse_family(errs: _Errors, i: int, data: Any, line: int, defaults: Mapping
     for key, value in axes.data.items():
         if isinstance(value, list) and not value:
             errs.add(axes.key_line(key), f"{path}.axes.{key}", "an empty list selects nothing")
-        elif not all(_is_scalar(v) for v in _axis_values(value)):
-            errs.add(axes.key_line(key), f"{path}.axes.{key}",
-                     f"expected a value or a list of values, got {value!r}")
+        else:
+            _check_axis_value(errs, axes, key, f"{path}.axes.{key}")
     if "contract" not in axes.data and "axes" in sec.data:
         errs.add(axes.line, f"{path}.axes.contract", "missing required key")
     rules: dict[str, list[tuple[int, LocDict]]] = {}
@@ -586,11 +593,8 @@ def _parse_family(errs: _Errors, i: int, data: Any, line: int, defaults: Mapping
         for j, rule in enumerate(raw):
             rline = _line_of(raw, j, sec.key_line(kind))
             rsec = _Section(errs, rule, f"{path}.{kind}[{j}]", rline, AXES)
-            bad = [k for k, v in rsec.data.items() if not all(_is_scalar(x) for x in _axis_values(v))]
-            for k in bad:
-                errs.add(rsec.key_line(k), f"{path}.{kind}[{j}].{k}",
-                         f"expected a value or a list of values, got {rsec.data[k]!r}")
-            if rsec.ok and not bad:
+            valid = [_check_axis_value(errs, rsec, k, f"{path}.{kind}[{j}].{k}") for k in rsec.data]
+            if rsec.ok and all(valid):
                 rules[kind].append((rline, rule))
     if len(errs.items) > n_before:  # the family's own shape is wrong: expanding it would mislead
         return None
