@@ -8,12 +8,20 @@ import torch
 
 from codegen.model import IndexMode, KvScale, Norm, Saturation, Variant
 from codegen.layout import CacheAccess, access
-from runtime.reference import rope, to_fp8, write_slots
+from runtime.reference import to_fp8, write_slots
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float, norm: Norm) -> torch.Tensor:
     n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return n * (1.0 + w.float() if norm is Norm.GEMMA else w.float())
+
+
+def _rope(n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    half = rotary_dim // 2
+    cs = cos_sin[positions].float()
+    c, s = cs[:, None, :half], cs[:, None, half:rotary_dim]
+    a, b = n[..., :half], n[..., half:rotary_dim]
+    return torch.cat([a * c - b * s, b * c + a * s, n[..., rotary_dim:]], dim=-1)
 
 
 def layouts(v: Variant) -> dict[str, CacheAccess]:
@@ -30,7 +38,7 @@ def unfused(v: Variant, lay: dict[str, CacheAccess], a: dict, q_out: torch.Tenso
     pos, eps, model = a["positions"], a["eps"], a["qkv"].dtype
 
     def normed(lo: int, hi: int, w: torch.Tensor) -> torch.Tensor:
-        return rope(_norm(x[:, lo:hi], w, eps, v.norm), a["cos_sin_cache"], pos, R)
+        return _rope(_norm(x[:, lo:hi], w, eps, v.norm), a["cos_sin_cache"], pos, R)
 
     q_out.copy_(normed(0, nq, a["q_norm_weight"]).to(model).view_as(q_out))
     k = normed(nq, nq + nkv, a["k_norm_weight"]).to(model)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from codegen.layout import VEC, CacheAccess, access
+from codegen.layout import CacheAccess, access, lane_dims
 from codegen.model import Fp8, IndexMode, KvScale, Norm, Saturation, Variant
 
 FP8_DTYPES = {Fp8.E4M3FN: torch.float8_e4m3fn, Fp8.E4M3FNUZ: torch.float8_e4m3fnuz}
@@ -36,36 +36,47 @@ def to_fp8(v: torch.Tensor, fmt: Fp8, saturate: bool) -> torch.Tensor:
     return torch.where(overflow, nan, out).view(dtype)
 
 
-def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
-    """Σ x² over the last dim in one fixed fp32 order: each run of 8 dims in sequence,
-    then the runs pairwise by halving. It is the kernel's order (a lane's 8 values, then
-    a butterfly across lanes), so the two agree bit for bit; rotations that cancel would
-    otherwise magnify an order-dependent last bit past one ulp of the output."""
-    sq = (x * x).unflatten(-1, (-1, VEC))
-    s = sq[..., 0]
-    for j in range(1, VEC):
-        s = s + sq[..., j]
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fused multiply-add, as the kernel's fmaf: the product is exact in fp64 and
+    the sum is rounded once more to fp32 (a double rounding that can differ from a true
+    fma only when the fp64 sum is inexact and lands on an fp32 tie: never for the
+    same-sign sums of squares, about 2^-29 of RoPE's)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def sum_of_squares(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Σ x² over the last dim in the kernel's fp32 order: each lane's dims in sequence
+    (`lane_dims`, one fma each), then the lanes pairwise by halving (the butterfly).
+    Matching it bit for bit matters: rotations that cancel would otherwise magnify an
+    order-dependent last bit past one ulp of the output."""
+    order = lane_dims(x.shape[-1], rotary_dim)
+    sq = x[..., torch.tensor(order, device=x.device)]  # [..., lanes, dims of a lane]
+    s = torch.zeros_like(sq[..., 0])
+    for j in range(sq.shape[-1]):
+        s = fma(sq[..., j], sq[..., j], s)
     while s.shape[-1] > 1:
         half = s.shape[-1] // 2
         s = s[..., :half] + s[..., half:]
-    return s
+    return s  # [..., 1]
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, norm: Norm) -> torch.Tensor:
-    """Per-head RMSNorm over the last dim in fp32; Gemma scales by (1 + w)."""
-    mean = sum_of_squares(x) / x.shape[-1]
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, norm: Norm, rotary_dim: int) -> torch.Tensor:
+    """Per-head RMSNorm over the last dim in fp32; Gemma scales by (1 + w). The rotary
+    dim only fixes the summation order (`sum_of_squares`)."""
+    mean = sum_of_squares(x, rotary_dim) / x.shape[-1]
     inv = 1.0 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
     wf = w.float()
     return (x * inv) * (1.0 + wf if norm is Norm.GEMMA else wf)
 
 
 def rope(n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """Partial NeoX rotation of n [T, H, D] at positions [T]; dims ≥ rotary_dim pass."""
+    """Partial NeoX rotation of n [T, H, D] at positions [T]; dims ≥ rotary_dim pass.
+    Each output is one fma of its first product, as the kernel computes it."""
     half = rotary_dim // 2
     cs = cos_sin[positions].float()
     c, s = cs[:, None, :half], cs[:, None, half:rotary_dim]
     a, b = n[..., :half], n[..., half:rotary_dim]
-    return torch.cat([a * c - b * s, b * c + a * s, n[..., rotary_dim:]], dim=-1)
+    return torch.cat([fma(a, c, -(b * s)), fma(b, c, a * s), n[..., rotary_dim:]], dim=-1)
 
 
 @dataclass
@@ -148,7 +159,7 @@ def run(v: Variant, t: Tensors) -> None:
     rbq = v.contract.round_before_quant
 
     def normed(heads: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return rope(rms_norm(heads, w, t.eps, v.norm), t.cos_sin_cache, pos_c, R)
+        return rope(rms_norm(heads, w, t.eps, v.norm, R), t.cos_sin_cache, pos_c, R)
 
     # Outputs of tokens whose position has no cos/sin row are left alone, as the kernel does.
     q = normed(x[:, :nq], t.q_norm_weight)

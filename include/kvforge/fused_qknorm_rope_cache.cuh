@@ -5,9 +5,10 @@
 // name: cache addresses come from Traits::{K,V,Index}::offset, vector widths from the
 // layout analysis in codegen/layout.py.
 //
-// Work split: 16-byte lanes. One head of D dims is D/8 adjacent lanes ("a group");
-// groups never straddle a warp or wave, so the RMSNorm reduction and the RoPE partner
-// exchange are shuffles inside the group. A main-loop thread keeps one head lane for
+// Work split: a main-loop lane holds two 16-byte chunks of one head (a chunk and its
+// RoPE partner where the rotary halves allow), so one head of D dims is D/16 adjacent
+// lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction is
+// a shuffle butterfly inside the group. A main-loop thread keeps one head lane for
 // every token it visits and loads the next tokens' rows while computing the current.
 // V of a layout that scatters one token's dims (SHUFFLE) goes, for prefill runs, to a
 // second loop in its own blocks, in which a lane owns `slot_vec` consecutive tokens of
@@ -138,7 +139,7 @@ struct Fused {
   using M = typename VT::Model;
   using CS = typename VT::CosSin;
   static constexpr int D = VT::kHeadDim;
-  static constexpr int LPH = D / kVec;             // lanes per head
+  static constexpr int LPH = D / kVec;             // 8-dim chunks per head (V loop lanes)
   static constexpr int R = VT::kRotaryDim;
   static constexpr int HALF = R / 2;
   static constexpr int NKV = VT::kNumKvHeads;
@@ -147,7 +148,7 @@ struct Fused {
   static constexpr bool kVTransposed = VT::V::kDVec == 1 && VT::V::kSlotVec > 1;
   // Tokens per thread per iteration; the next iteration's are loaded meanwhile, so
   // 2 * kUnroll rows of 16 bytes are in flight per thread.
-  static constexpr int kUnroll = 2;
+  static constexpr int kUnroll = 1;
   static_assert(LPH >= 2 && LPH <= 32 && (LPH & (LPH - 1)) == 0, "head_dim");
   static_assert(R % 2 == 0 && R <= D, "rotary_dim");
 
@@ -194,68 +195,80 @@ struct Fused {
     else return CS::to_float(static_cast<const uint16_t*>(cs)[pos * R + i]);
   }
 
-  // Partial NeoX rotation of one lane's dims [lane*8, lane*8+8) of a normalized head.
-  // Dim e < HALF pairs with e + HALF. All lanes of the group must call this.
+  // ---- main loop: a lane holds two 8-dim chunks of one head -------------------------
+  // With 8-aligned rotary halves a rotary lane holds a chunk and its RoPE partner chunk,
+  // so the rotation needs no exchange; the other lanes hold pass-through chunks, split so
+  // that each load instruction of a head reads whole sectors. Otherwise (e.g. rotary
+  // dim 36) lanes hold adjacent chunks and exchange partners by shuffles. The reference
+  // sums squares in this order (codegen/layout.py: lane_dims).
   static constexpr bool kAlignedHalves = HALF % kVec == 0;
+  static constexpr int LANES = D / (2 * kVec);               // main-loop lanes per head
+  static constexpr int kRotLanes = kAlignedHalves ? HALF / kVec : 0;
+  static constexpr int kPassHalf = (LPH - 2 * kRotLanes) / 2;  // pass-through pairs
+  static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "head_dim");
 
-  // Whether this lane's dims are rotated (and so need cos/sin).
-  static KVF_DEVICE bool rotary_lane(int lane) { return lane * kVec < R; }
-
-  static KVF_DEVICE int rotary_index(int lane) {
-    return (lane < HALF / kVec ? lane : lane - HALF / kVec) * kVec;
+  static KVF_DEVICE int chunk_of(int lane, int i) {
+    if constexpr (kAlignedHalves) {
+      return lane < kRotLanes ? lane + i * kRotLanes : kRotLanes + lane + i * kPassHalf;
+    } else {
+      return 2 * lane + i;
+    }
   }
 
+  // NeoX rotation of a lane's normalized chunks n into y: y_i = n_i c_i - n_{i+h} s_i,
+  // y_{i+h} = n_{i+h} c_i + n_i s_i, each as one fma of the first product (the reference
+  // rounds the same way). All lanes of the head must call this.
   static KVF_DEVICE void rope(const CosSinRaw& csr, const void* cs, int64_t pos, int lane,
-                              const float (&n)[kVec], float (&y)[kVec]) {
-    constexpr int kQ8 = HALF / kVec, kR8 = HALF % kVec;
-    if constexpr (kR8 == 0) {
-      // Partners sit exactly kQ8 lanes away: one exchange of 8 values.
-      const bool first = lane < kQ8, rot = lane < 2 * kQ8;
-      const int src = first ? lane + kQ8 : (rot ? lane - kQ8 : lane);
-      float p[kVec];
+                              const float (&n)[2][kVec], float (&y)[2][kVec]) {
+    if constexpr (kAlignedHalves) {
+      (void)cs; (void)pos;
+      if (lane >= kRotLanes) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) p[j] = shfl<LPH>(n[j], src);
-      if (!rot) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) y[j] = n[j];
+        for (int j = 0; j < kVec; ++j) { y[0][j] = n[0][j]; y[1][j] = n[1][j]; }
         return;
       }
       float c[kVec], s[kVec];
       unpack_cos_sin(csr, c, s);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        y[j] = first ? n[j] * c[j] - p[j] * s[j] : n[j] * c[j] + p[j] * s[j];
+      for (int j = 0; j < kVec; ++j) {
+        y[0][j] = fmaf(n[0][j], c[j], -(n[1][j] * s[j]));
+        y[1][j] = fmaf(n[1][j], c[j], n[0][j] * s[j]);
+      }
     } else {
-      // Rotary halves not aligned to 8 dims (e.g. rotary_dim 36): a partner may sit in
-      // either of two lanes each way; which element is compile-time per j. Rare, so
+      // Lane l holds dims [16l, 16l + 16). HALF = 16q + r: the partner of element j sits
+      // q or q + 1 lanes away, at an element index known at compile time. Rare, so
       // cos/sin are read here, value by value.
       (void)csr;
-      auto clamp = [](int l) { return l < 0 ? 0 : (l >= LPH ? LPH - 1 : l); };
-      float pa[kVec], pb[kVec], ma[kVec], mb[kVec];
+      constexpr int E = 2 * kVec, kQ = HALF / E, kR = HALF % E;
+      auto clamp = [](int l) { return l < 0 ? 0 : (l >= LANES ? LANES - 1 : l); };
+      float pa[E], pb[E], ma[E], mb[E];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        pa[j] = shfl<LPH>(n[j], clamp(lane + kQ8));
-        pb[j] = shfl<LPH>(n[j], clamp(lane + kQ8 + 1));
-        ma[j] = shfl<LPH>(n[j], clamp(lane - kQ8));
-        mb[j] = shfl<LPH>(n[j], clamp(lane - kQ8 - 1));
+      for (int j = 0; j < E; ++j) {
+        const float v = n[j / kVec][j % kVec];
+        pa[j] = shfl<LANES>(v, clamp(lane + kQ));
+        pb[j] = shfl<LANES>(v, clamp(lane + kQ + 1));
+        ma[j] = shfl<LANES>(v, clamp(lane - kQ));
+        mb[j] = shfl<LANES>(v, clamp(lane - kQ - 1));
       }
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const int e = lane * kVec + j;
+      for (int j = 0; j < E; ++j) {
+        const int e = lane * E + j;
+        const float v = n[j / kVec][j % kVec];
+        float& out = y[j / kVec][j % kVec];
         if (e < HALF) {
-          const float p = j + kR8 < kVec ? pa[(j + kR8) % kVec] : pb[(j + kR8) % kVec];
-          y[j] = n[j] * cos_sin_at(cs, pos, e) - p * cos_sin_at(cs, pos, HALF + e);
+          const float p = j + kR < E ? pa[(j + kR) % E] : pb[(j + kR) % E];
+          out = fmaf(v, cos_sin_at(cs, pos, e), -(p * cos_sin_at(cs, pos, HALF + e)));
         } else if (e < R) {
-          const float p = j >= kR8 ? ma[(j - kR8 + kVec) % kVec] : mb[(j - kR8 + kVec) % kVec];
-          y[j] = n[j] * cos_sin_at(cs, pos, e - HALF) + p * cos_sin_at(cs, pos, e);
+          const float p = j >= kR ? ma[(j - kR + E) % E] : mb[(j - kR + E) % E];
+          out = fmaf(v, cos_sin_at(cs, pos, e - HALF), p * cos_sin_at(cs, pos, e));
         } else {
-          y[j] = n[j];
+          out = v;
         }
       }
     }
   }
 
-  // K or V values (fp32) of one lane into a KV cache, quantized as the variant says.
+  // K or V values (fp32) of one chunk into a KV cache, quantized as the variant says.
   template <class C, Scale S>
   static KVF_DEVICE void put_kv(const kvf_cache_t& c, const float* scale, int64_t slot, uint32_t h,
                                 uint32_t d0, const float (&v)[kVec], const uint32_t (&model_bits)[4]) {
@@ -271,20 +284,20 @@ struct Fused {
   // What a main-loop thread is: one lane of one head of the row, the same for every
   // token it visits, so its weights and branches are settled once.
   struct Role {
-    int kind, head, row_head;
+    int kind, head;
   };
 
   static KVF_DEVICE Role role_of(int hm, int nq, int niq) {
-    if (hm < nq) return Role{kQ, hm, hm};
-    if (hm < nq + NKV) return Role{kK, hm - nq, hm};
-    if (hm < nq + 2 * NKV) return Role{kV, hm - nq - NKV, hm};
+    if (hm < nq) return Role{kQ, hm};
+    if (hm < nq + NKV) return Role{kK, hm - nq};
+    if (hm < nq + 2 * NKV) return Role{kV, hm - nq - NKV};
     const int j = hm - nq - 2 * NKV;
-    return j < niq ? Role{kIQ, j, hm} : Role{kIK, 0, hm};
+    return j < niq ? Role{kIQ, j} : Role{kIK, 0};
   }
 
   // One token's inputs for a thread, as loaded.
   struct Token {
-    uint4 x;
+    uint4 x[2];
     CosSinRaw cs;
     int64_t t, pos, slot;
     bool live;
@@ -310,23 +323,29 @@ struct Fused {
     const int64_t tpp = dims.tokens_per_pass;
     if (gid >= tpp * dims.lanes_per_token) return;  // whole head groups idle together
     const int within = static_cast<int>(gid % dims.lanes_per_token);
-    const int lane = within % LPH;
-    const Role r = role_of(within / LPH, a.num_heads, a.num_index_heads);
-    float wf[kVec];  // the norm's per-dim factor: 1 + w (Gemma) or w
+    const int lane = within % LANES;
+    const int row_head = within / LANES;
+    const Role r = role_of(row_head, a.num_heads, a.num_index_heads);
+    const uint32_t d0[2] = {uint32_t(chunk_of(lane, 0) * kVec), uint32_t(chunk_of(lane, 1) * kVec)};
+    float wf[2][kVec];  // the norm's per-dim factor: 1 + w (Gemma) or w
     if (r.kind != kV) {
       const void* wp = r.kind == kQ ? a.q_norm_weight : r.kind == kK ? a.k_norm_weight
                      : r.kind == kIQ ? a.index_q_norm_weight : a.index_k_norm_weight;
-      unpack8<M>(load16(static_cast<const uint16_t*>(wp) + lane * kVec), wf);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) wf[j] = VT::kGemma ? 1.0f + wf[j] : wf[j];
+      for (int i = 0; i < 2; ++i) {
+        unpack8<M>(load16(static_cast<const uint16_t*>(wp) + d0[i]), wf[i]);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) wf[i][j] = VT::kGemma ? 1.0f + wf[i][j] : wf[i][j];
+      }
     }
     const bool kv = r.kind == kK || r.kind == kV;
     const int64_t* slots = kv ? a.slot_mapping : a.index_slot_mapping;
     const int64_t nslots = kv ? a.num_slots : a.num_index_slots;
     const bool has_slot = kv || r.kind == kIK;
-    const bool needs_cs = kAlignedHalves && r.kind != kV && rotary_lane(lane);
-    const int64_t col = int64_t(r.row_head) * D + lane * kVec;
-    // Phase 1 for kUnroll tokens: the row chunk, position and slot, all in flight.
+    const bool needs_cs = kAlignedHalves && r.kind != kV && lane < kRotLanes;
+    const char* row0 = static_cast<const char*>(a.qkv) + (int64_t(row_head) * D + d0[0]) * 2;
+    const int64_t gap = int64_t(d0[1] - d0[0]) * 2;
+    // Phase 1 for kUnroll tokens: the row chunks, position and slot, all in flight.
     auto fetch = [&](Token (&tk)[kUnroll], int64_t t0) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -336,8 +355,9 @@ struct Fused {
         if constexpr (kVTransposed) {  // that token's V is the V loop's
           if (r.kind == kV && m.live) m.live = v_group_start(a, dims.v_tokens, m.t / VT::V::kSlotVec) < 0;
         }
-        m.x = m.live ? load16(static_cast<const char*>(a.qkv) + (m.t * a.qkv_row_stride + col) * 2)
-                     : make_uint4(0u, 0u, 0u, 0u);
+        const char* p = row0 + m.t * a.qkv_row_stride * 2;
+        m.x[0] = m.live ? load16(p) : make_uint4(0u, 0u, 0u, 0u);
+        m.x[1] = m.live ? load16(p + gap) : make_uint4(0u, 0u, 0u, 0u);
         m.pos = m.live && r.kind != kV ? a.positions[m.t] : 0;
         m.slot = m.live && has_slot && m.t < nslots ? slots[m.t] : -1;
       }
@@ -353,70 +373,82 @@ struct Fused {
       for (int u = 0; u < kUnroll; ++u) {
         Token& m = cur[u];
         m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
-        m.cs = needs_cs && m.live && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, rotary_index(lane))
+        m.cs = needs_cs && m.live && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, lane * kVec)
                                                 : CosSinRaw{};
       }
       // Phase 3: the math and the stores.
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        process(a, lane, r, wf, cur[u]);
+        process(a, lane, r, d0, wf, cur[u]);
         cur[u] = next[u];
       }
     }
   }
 
   static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role,
-                                 const float (&wf)[kVec], const Token& m) {
-    const uint32_t d0 = lane * kVec;
+                                 const uint32_t (&d0)[2], const float (&wf)[2][kVec], const Token& m) {
     const int64_t t = m.t, slot = m.slot;
     const int kind = role.kind, head = role.head;
-    float f[kVec];
-    unpack8<M>(m.x, f);
+    float f[2][kVec];
+    unpack8<M>(m.x[0], f[0]);
+    unpack8<M>(m.x[1], f[1]);
     if (kind == kV) {
       if (!m.live || !slot_ok<typename VT::V>(a.v_cache, slot)) return;
-      const uint32_t bits[4] = {m.x.x, m.x.y, m.x.z, m.x.w};
-      put_kv<typename VT::V, VT::kKvScale>(a.v_cache, a.v_scale, slot, head, d0, f, bits);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t bits[4] = {m.x[i].x, m.x[i].y, m.x[i].z, m.x[i].w};
+        put_kv<typename VT::V, VT::kKvScale>(a.v_cache, a.v_scale, slot, head, d0[i], f[i], bits);
+      }
       return;
     }
-    // RMSNorm over the head: the group's lanes reduce by butterfly.
+    // RMSNorm over the head: a lane's 16 squares in sequence, then a butterfly.
     float ss = 0.f;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) ss += f[j] * f[j];
+    for (int i = 0; i < 2; ++i) {
 #pragma unroll
-    for (int sh = LPH / 2; sh >= 1; sh /= 2) ss += shfl_xor<LPH>(ss, sh);
+      for (int j = 0; j < kVec; ++j) ss = fmaf(f[i][j], f[i][j], ss);
+    }
+#pragma unroll
+    for (int sh = LANES / 2; sh >= 1; sh /= 2) ss += shfl_xor<LANES>(ss, sh);
     const float inv = 1.0f / sqrtf(ss / float(D) + a.eps);
-    float n[kVec], y[kVec];
+    float n[2][kVec], y[2][kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) n[j] = (f[j] * inv) * wf[j];
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) n[i][j] = (f[i][j] * inv) * wf[i][j];
+    }
     rope(m.cs, a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, n, y);
     if (!m.live || m.pos < 0) return;
-    float r[kVec];
-    uint32_t bits[4];
-    round_to_model<M>(y, r, bits);
-    if (kind == kQ) {
-      char* dst = static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + d0) * 2;
-      store_bytes<16>(dst, bits, 0);
-    } else if (kind == kK) {
-      if (slot_ok<typename VT::K>(a.k_cache, slot))
-        put_kv<typename VT::K, VT::kKvScale>(a.k_cache, a.k_scale, slot, head, d0,
-                                             VT::kRoundBeforeQuant ? r : y, bits);
-    } else if (kind == kIQ) {
-      char* base = static_cast<char*>(a.index_q_out);
-      const int64_t e = (t * a.num_index_heads + head) * D + d0;
-      if constexpr (VT::kIndexFp8) {
-        uint32_t q[2];
-        pack_fp8<VT::kFp8, true>(y, 1.0f, q);  // straight from fp32
-        store_bytes<8>(base + e, q, 0);
-      } else {
-        store_bytes<16>(base + e * 2, bits, 0);
-      }
-    } else if (slot_ok<typename VT::Index>(a.index_cache, slot)) {
-      if constexpr (VT::kIndexFp8) {
-        uint32_t q[2];
-        pack_fp8<VT::kFp8, true>(VT::kRoundBeforeQuant ? r : y, 1.0f, q);
-        store_dims<typename VT::Index>(a.index_cache, slot, 0, d0, q);
-      } else {
-        store_dims<typename VT::Index>(a.index_cache, slot, 0, d0, bits);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float r[kVec];
+      uint32_t bits[4];
+      round_to_model<M>(y[i], r, bits);
+      if (kind == kQ) {
+        char* dst = static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + d0[i]) * 2;
+        store_bytes<16>(dst, bits, 0);
+      } else if (kind == kK) {
+        if (slot_ok<typename VT::K>(a.k_cache, slot))
+          put_kv<typename VT::K, VT::kKvScale>(a.k_cache, a.k_scale, slot, head, d0[i],
+                                               VT::kRoundBeforeQuant ? r : y[i], bits);
+      } else if (kind == kIQ) {
+        char* base = static_cast<char*>(a.index_q_out);
+        const int64_t e = (t * a.num_index_heads + head) * D + d0[i];
+        if constexpr (VT::kIndexFp8) {
+          uint32_t q[2];
+          pack_fp8<VT::kFp8, true>(y[i], 1.0f, q);  // straight from fp32
+          store_bytes<8>(base + e, q, 0);
+        } else {
+          store_bytes<16>(base + e * 2, bits, 0);
+        }
+      } else if (slot_ok<typename VT::Index>(a.index_cache, slot)) {
+        if constexpr (VT::kIndexFp8) {
+          uint32_t q[2];
+          pack_fp8<VT::kFp8, true>(VT::kRoundBeforeQuant ? r : y[i], 1.0f, q);
+          store_dims<typename VT::Index>(a.index_cache, slot, 0, d0[i], q);
+        } else {
+          store_dims<typename VT::Index>(a.index_cache, slot, 0, d0[i], bits);
+        }
       }
     }
   }
@@ -518,7 +550,7 @@ int launch(const kvf_args_t* a, void* stream) {
   using F = Fused<VT>;
   if (a->num_tokens <= 0) return 0;
   Dims dims;
-  dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads) * F::LPH;
+  dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads) * F::LANES;
   dims.v_tokens = a->num_slots < a->num_tokens ? a->num_slots : a->num_tokens;
   dims.v_groups = 0;
   if constexpr (F::kVTransposed) dims.v_groups = dims.v_tokens / VT::V::kSlotVec;
