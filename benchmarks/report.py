@@ -27,6 +27,8 @@ def _run_section(name: str, result: dict) -> list[str]:
         f"- copy roofline (2 GiB device-to-device, read + write, same run): **{result['copy_gbps']:.0f} GB/s**",
         f"- timing: {result['timing']}",
         "- bytes: qkv read once + q_out, index_q_out, K, V, index-cache writes + positions/slots",
+        "- depth: the main loop's pipeline depth the runtime picked from `tuning/` (made by "
+        "`benchmarks/tune.py`); default = the library's default",
         f"- Python dispatch overhead per eager call: **{result['host_overhead_us']:.1f} µs**",
         f"- build ({result['build']['compiler']}): cold {result['build']['cold_build_s']:.2f} s per variant "
         f"(max {result['build']['cold_build_s_max']:.2f} s over {result['build']['variants']}), "
@@ -41,12 +43,12 @@ def _run_section(name: str, result: dict) -> list[str]:
     recs = result["records"]
     for config in dict.fromkeys(r["config"] for r in recs):
         lines += [f"### {config}", "",
-                  "| TP | tokens | slots | µs (graph) | µs (event, 1 call) | GB/s | % copy | eager µs | compile µs | × eager | × compile |",
-                  "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| TP | tokens | slots | depth | µs (graph) | µs (event, 1 call) | GB/s | % copy | eager µs | compile µs | × eager | × compile |",
+                  "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in (r for r in recs if r["config"] == config):
             e, c = r.get("eager_us"), r.get("compile_us")
             lines.append(
-                f"| {r['tp']} | {r['tokens']} | {r['slots']} | {r['us']:.2f} | {r['us_event_per_call']:.1f} | "
+                f"| {r['tp']} | {r['tokens']} | {r['slots']} | {r.get('pipeline_depth') or 'default'} | {r['us']:.2f} | {r['us_event_per_call']:.1f} | "
                 f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | {_fmt(e)} | {_fmt(c)} | "
                 f"{_fmt(e / r['us'] if e else None)} | {_fmt(c / r['us'] if c else None)} |")
         lines.append("")

@@ -6,3 +6,4 @@ VARIANTS_YAML = ROOT / "variants.yaml"
 TEMPLATES = ROOT / "templates"
 INCLUDE = ROOT / "include"
 GENERATED = ROOT / "generated"
+TUNED = ROOT / "tuning"  # launch choices the tuner measured (runtime/tuning.py)

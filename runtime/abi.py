@@ -9,12 +9,14 @@ from codegen.paths import INCLUDE
 MAX_DIMS = 8
 
 
-def _header_version() -> int:
+def _header_define(name: str) -> int:
     text = (INCLUDE / "kvforge" / "abi.h").read_text()
-    return int(re.search(r"#define KVF_ABI_VERSION (\d+)", text).group(1))
+    return int(re.search(rf"#define {name} (\d+)", text).group(1))
 
 
-ABI_VERSION = _header_version()
+ABI_VERSION = _header_define("KVF_ABI_VERSION")
+MAX_PIPELINE_DEPTH = _header_define("KVF_MAX_PIPELINE_DEPTH")
+DEFAULT_PIPELINE_DEPTH = _header_define("KVF_DEFAULT_PIPELINE_DEPTH")
 
 
 class CacheArg(ctypes.Structure):
@@ -48,6 +50,7 @@ class Args(ctypes.Structure):
         ("num_heads", ctypes.c_int32),
         ("num_index_heads", ctypes.c_int32),
         ("eps", ctypes.c_float),
+        ("pipeline_depth", ctypes.c_int32),
     ]
 
 
@@ -64,6 +67,9 @@ class KernelLibrary:
         self._launch = self.lib.kvf_launch
         self._launch.restype = ctypes.c_int
         self._launch.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p]
+        self._launch_packed = self.lib["kvf_launch"]  # a second prototype of the same symbol
+        self._launch_packed.restype = ctypes.c_int
+        self._launch_packed.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
         version = self.lib.kvf_abi_version()
         if version != ABI_VERSION:
             raise OSError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
@@ -73,7 +79,13 @@ class KernelLibrary:
         self.uri = uri
 
     def launch(self, args: Args, stream: int) -> None:
-        code = self._launch(ctypes.byref(args), stream)
+        self._check(self._launch(ctypes.byref(args), stream))
+
+    def launch_packed(self, args: bytes, stream: int) -> None:
+        """`launch` with the arguments as the bytes of an Args (no ctypes object built)."""
+        self._check(self._launch_packed(args, stream))
+
+    def _check(self, code: int) -> None:
         if code != 0:
             raise RuntimeError(f"kvforge kernel {self.uri} failed to launch: "
                                f"{self.lib.kvf_error_string(code).decode()} ({code})")

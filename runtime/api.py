@@ -11,12 +11,16 @@ what CUDA-graph capture records.
 """
 from __future__ import annotations
 
-from typing import Optional
+import ctypes
+import functools
+import inspect
+import struct
+from typing import Callable, Optional
 
 import torch
 
-from . import reference
-from .abi import Args
+from . import reference, tuning
+from .abi import Args, CacheArg
 from .registry import REGISTRY
 from .validate import check, check_ranges
 
@@ -24,23 +28,39 @@ Tensor = torch.Tensor
 
 
 class _Plan:
-    """What one variant's launch needs besides the tensors, looked up once."""
+    """What one variant's launch on one device needs besides the tensors, looked up once."""
 
-    def __init__(self, variant) -> None:
+    def __init__(self, variant, device_index: int) -> None:
         from codegen.layout import access
 
         self.lib = REGISTRY.get(variant)
         self.pages = {role: (access(variant, role).runtime_dim, access(variant, role).page_size)
                       for role in ("k", "v", "index")}
+        table = tuning.table_for(torch.cuda.get_device_name(device_index))
+        self.depths = table.choices.get(variant.uri, ()) if table else ()  # tuned, by token range
 
 
-_PLANS: dict = {}
+_PLANS: dict = {}  # (variant, device index) -> _Plan
+
+# The op's arguments in order (the signature of `_impl`).
+_ARG_NAMES = ("qkv", "positions", "cos_sin_cache", "slot_mapping", "k_cache", "v_cache", "kv_cache",
+              "q_norm_weight", "k_norm_weight", "index_q_norm_weight", "index_k_norm_weight",
+              "index_cache", "index_slot_mapping", "k_scale", "v_scale", "q_out", "index_q_out",
+              "num_heads", "num_kv_heads", "num_index_heads", "rotary_dim", "eps", "contract",
+              "index_mode", "norm")
+# Args pointer fields and the Tensors attribute each comes from.
+_POINTERS = (("qkv", "qkv"), ("positions", "positions"), ("cos_sin", "cos_sin_cache"),
+             ("slot_mapping", "slot_mapping"), ("index_slot_mapping", "index_slot_mapping"),
+             ("q_norm_weight", "q_norm_weight"), ("k_norm_weight", "k_norm_weight"),
+             ("index_q_norm_weight", "index_q_norm_weight"),
+             ("index_k_norm_weight", "index_k_norm_weight"), ("k_scale", "k_scale"),
+             ("v_scale", "v_scale"), ("q_out", "q_out"), ("index_q_out", "index_q_out"))
+_CACHES = (("k_cache", "k"), ("v_cache", "v"), ("index_cache", "index"))
 
 
-def _current_stream(device: torch.device) -> int:
+def _current_stream(device_index: int) -> int:
     # The raw handle without building a torch Stream object (a few µs per call).
-    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None
-                                               else torch.cuda.current_device())
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def _cache_arg(dst, cache: Optional[Tensor], dims: tuple[int, int]) -> None:
@@ -52,33 +72,106 @@ def _cache_arg(dst, cache: Optional[Tensor], dims: tuple[int, int]) -> None:
         dst.strides[i] = s
 
 
-def _launch(variant, t: reference.Tensors) -> None:
-    T = t.qkv.shape[0]
-    if T == 0:
-        return
-    plan = _PLANS.get(variant)
-    if plan is None:
-        plan = _PLANS[variant] = _Plan(variant)
+def _args(plan: _Plan, t: reference.Tensors) -> Args:
     ptr = lambda x: x.data_ptr() if x is not None else None  # noqa: E731
-    a = Args(
-        qkv=t.qkv.data_ptr(), positions=t.positions.data_ptr(), cos_sin=t.cos_sin_cache.data_ptr(),
-        slot_mapping=t.slot_mapping.data_ptr(), index_slot_mapping=ptr(t.index_slot_mapping),
-        q_norm_weight=t.q_norm_weight.data_ptr(), k_norm_weight=t.k_norm_weight.data_ptr(),
-        index_q_norm_weight=ptr(t.index_q_norm_weight), index_k_norm_weight=ptr(t.index_k_norm_weight),
-        k_scale=ptr(t.k_scale), v_scale=ptr(t.v_scale), q_out=t.q_out.data_ptr(),
-        index_q_out=ptr(t.index_q_out), qkv_row_stride=t.qkv.stride(0),
-        max_pos=t.cos_sin_cache.shape[0], num_slots=t.slot_mapping.numel(),
-        num_index_slots=t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0,
-        num_tokens=T, num_heads=t.num_heads, num_index_heads=t.num_index_heads, eps=t.eps)
-    _cache_arg(a.k_cache, t.k_cache, plan.pages["k"])
-    _cache_arg(a.v_cache, t.v_cache, plan.pages["v"])
-    _cache_arg(a.index_cache, t.index_cache, plan.pages["index"])
-    device = t.qkv.device
-    if device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            plan.lib.launch(a, _current_stream(device))
+    a = Args(qkv_row_stride=t.qkv.stride(0), max_pos=t.cos_sin_cache.shape[0],
+             num_slots=t.slot_mapping.numel(),
+             num_index_slots=t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0,
+             num_tokens=t.qkv.shape[0], num_heads=t.num_heads, num_index_heads=t.num_index_heads,
+             eps=t.eps, pipeline_depth=tuning.pick(plan.depths, t.qkv.shape[0]))
+    for field, name in _POINTERS:
+        setattr(a, field, ptr(getattr(t, name)))
+    for field, role in _CACHES:
+        _cache_arg(getattr(a, field), getattr(t, field), plan.pages[role])
+    return a
+
+
+def _launch(plan: _Plan, a: Args, device_index: int) -> None:
+    if device_index != torch.cuda.current_device():
+        with torch.cuda.device(device_index):
+            plan.lib.launch(a, _current_stream(device_index))
     else:
-        plan.lib.launch(a, _current_stream(device))
+        plan.lib.launch(a, _current_stream(device_index))
+
+
+class _Bound:
+    """A call signature that passed validation: everything a launch needs that does not
+    change while the arguments' dtypes, shapes, strides, devices and alignments do not.
+    Per call only the data pointers are filled in, as 64-bit words of the packed Args."""
+
+    __slots__ = ("plan", "packer", "words", "slots", "device_index")
+
+    def __init__(self, plan: _Plan, a: Args, device_index: int, slots: list) -> None:
+        self.plan, self.device_index, self.slots = plan, device_index, slots
+        self.packer = struct.Struct(f"<{ctypes.sizeof(Args) // 8}Q")
+        self.words = self.packer.unpack(bytes(a))
+
+    @staticmethod
+    def of(plan: _Plan, a: Args, t: reference.Tensors, argv: tuple) -> Optional["_Bound"]:
+        """None unless every tensor the kernel gets is one of the arguments as passed."""
+        slots = []  # (word of Args, index of the argument holding that tensor)
+        for name, offset in _POINTER_OFFSETS:
+            obj = getattr(t, name)
+            if obj is not None:
+                i = next((i for i, x in enumerate(argv) if x is obj), None)
+                if i is None:
+                    return None
+                slots.append((offset // 8, i))
+        return _Bound(plan, a, t.qkv.device.index, slots)
+
+    def launch(self, ptrs: list) -> None:
+        words = list(self.words)
+        for w, i in self.slots:
+            words[w] = ptrs[i]
+        packed = self.packer.pack(*words)
+        if self.device_index != torch.cuda.current_device():
+            with torch.cuda.device(self.device_index):
+                self.plan.lib.launch_packed(packed, _current_stream(self.device_index))
+        else:
+            self.plan.lib.launch_packed(packed, _current_stream(self.device_index))
+
+
+# Byte offsets in Args of each data pointer, by the Tensors attribute it comes from.
+_POINTER_OFFSETS = tuple((name, getattr(Args, field).offset) for field, name in _POINTERS) + tuple(
+    (field, getattr(Args, field).offset + CacheArg.data.offset) for field, _ in _CACHES)
+assert ctypes.sizeof(Args) % 8 == 0 and all(off % 8 == 0 for _, off in _POINTER_OFFSETS)
+
+
+_BOUND: dict = {}  # argument signature -> _Bound
+
+
+def _prepared(variant, t: reference.Tensors) -> tuple[_Plan, Args, int]:
+    device_index = t.qkv.device.index
+    plan = _PLANS.get((variant, device_index))
+    if plan is None:
+        plan = _PLANS[(variant, device_index)] = _Plan(variant, device_index)
+    return plan, _args(plan, t), device_index
+
+
+def launch_at_depth(depth: int, **kwargs) -> Callable[[], None]:
+    """For the tuner: validate a GPU call once and return a function that launches it
+    at pipeline depth `depth` (1..KVF_MAX_PIPELINE_DEPTH), on the current stream."""
+    if kwargs.get("q_out") is None:
+        raise ValueError("q_out: launch_at_depth needs the outputs allocated")
+    params = inspect.signature(fused_qknorm_rope_cache).parameters
+    variant, t = check(**{name: kwargs.get(name, params[name].default) for name in _ARG_NAMES})
+    plan, a, device_index = _prepared(variant, t)
+    a.pipeline_depth = depth
+    return functools.partial(_launch, plan, a, device_index)
+
+
+def _signature(argv: tuple) -> tuple[tuple, list]:
+    """What validation depends on, and the data pointers (their alignment is part of it)."""
+    key, ptrs = [], []
+    for x in argv:
+        if isinstance(x, Tensor):
+            p = x.data_ptr()
+            key.append((x.dtype, x.shape, x.stride(), x.get_device(), p & 15))
+            ptrs.append(p)
+        else:
+            key.append((type(x), x))
+            ptrs.append(None)
+    return tuple(key), ptrs
 
 
 def _impl(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, slot_mapping: Tensor,
@@ -89,30 +182,40 @@ def _impl(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, slot_mapping: T
           q_out: Tensor, index_q_out: Optional[Tensor], num_heads: int, num_kv_heads: int,
           num_index_heads: int, rotary_dim: int, eps: float, contract: str, index_mode: str,
           norm: str, checked: bool) -> None:
-    _run(qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
-         k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
-         k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
-         eps, contract, index_mode, norm, checked, False)
+    argv = (qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
+            k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
+            k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads,
+            rotary_dim, eps, contract, index_mode, norm)
+    _run(argv, checked, False)
 
 
-def _run(qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
-         k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
-         k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
-         eps, contract, index_mode, norm, checked, force_reference) -> None:
-    variant, t = check(
-        contract=contract, index_mode=index_mode, norm=norm, qkv=qkv, positions=positions,
-        cos_sin_cache=cos_sin_cache, slot_mapping=slot_mapping, k_cache=k_cache, v_cache=v_cache,
-        kv_cache=kv_cache, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
-        index_q_norm_weight=index_q_norm_weight, index_k_norm_weight=index_k_norm_weight,
-        index_cache=index_cache, index_slot_mapping=index_slot_mapping, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, num_index_heads=num_index_heads, rotary_dim=rotary_dim, eps=eps,
-        k_scale=k_scale, v_scale=v_scale, q_out=q_out, index_q_out=index_q_out)
+def _run(argv: tuple, checked: bool, force_reference: bool) -> None:
+    # The common case: a signature validated before (no range checks asked) launches
+    # without validating again; anything new or unusual takes the full path below.
+    fast = not checked and not force_reference
+    if fast:
+        try:
+            key, ptrs = _signature(argv)
+            bound = _BOUND.get(key)
+        except TypeError:  # an unhashable argument: validation will say what is wrong
+            bound = None
+        if bound is not None:
+            bound.launch(ptrs)
+            return
+    variant, t = check(**dict(zip(_ARG_NAMES, argv)))
     if checked:
         check_ranges(variant, t)
     if force_reference or t.qkv.device.type == "cpu":
         reference.run(variant, t)
-    else:
-        _launch(variant, t)
+        return
+    if t.qkv.shape[0] == 0:
+        return
+    plan, a, device_index = _prepared(variant, t)
+    _launch(plan, a, device_index)
+    if fast and len(_BOUND) < 4096:  # bounded: shapes vary with the token count
+        bound = _Bound.of(plan, a, t, argv)
+        if bound is not None:
+            _BOUND[key] = bound
 
 
 _OP = "kvforge::fused_qknorm_rope_cache"
@@ -173,11 +276,11 @@ def fused_qknorm_rope_cache(
             k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
             float(eps), contract, index_mode, norm, checked)
     if _reference:
-        _run(*args, force_reference=True)
+        _run(args[:-1], checked, True)
     elif torch.compiler.is_compiling():
         _op(*args)
     else:
-        _impl(*args)
+        _run(args[:-1], checked, False)
     return q_out, (index_q_out if index_mode == "full" else None)
 
 

@@ -6,8 +6,10 @@ import torch
 
 from codegen.model import IndexMode
 from runtime import build, fused_qknorm_rope_cache, toolchain
+from runtime.abi import MAX_PIPELINE_DEPTH
+from runtime.api import launch_at_depth
 from runtime.registry import spec, source_of
-from runtime.testing import check_against_reference, make_inputs
+from runtime.testing import check_against_reference, make_inputs, poison, with_outputs
 
 pytestmark = pytest.mark.gpu
 VARIANTS = spec().variants
@@ -49,9 +51,20 @@ def test_variant_matches_reference(variant, tokens, nq, niq, slots, pad, opts):
     assert stats["q_out"]["addressed"] == tokens * nq * variant.head_dim
 
 
+@pytest.mark.parametrize("depth", range(1, MAX_PIPELINE_DEPTH + 1))
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.uri)
+def test_every_pipeline_depth_matches_reference(variant, depth):
+    """The tuned table may pick any depth a library holds, for any token count."""
+    niq = 0 if variant.index_mode is IndexMode.NONE else 2
+    args = make_inputs(variant, 301, 8, niq, slots="prefill", pad=5, device="cuda", seed=21,
+                       cos_sin="random", num_slots=297)
+    check_against_reference(args, lambda **a: launch_at_depth(depth, **a)())
+
+
 def _seed_variant(**axes):
     want = {"contract": "vllm_shuffle16", "num_kv_heads": "4", "index_dtype": "model",
             "kv_scale": "none", **axes}
+    want = {k: val for k, val in want.items() if val is not None}  # None: an axis the variant lacks
     return next(v for v in VARIANTS if all(v.axes().get(k) == str(val) for k, val in want.items()))
 
 
@@ -81,6 +94,60 @@ def test_torch_compile_fullgraph(kv_scale):
                      comp_args["v_cache"], comp_args["index_cache"])
     for a, b in zip(_mutated(eager_args, q_e, iq_e), _mutated(comp_args, q_c, iq_c)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_back_to_back_calls_read_what_the_previous_one_wrote(graph):
+    """The launch overlaps the previous kernel (programmatic dependent launch on Hopper):
+    a call whose qkv is the q_out the call before it is still writing must see all of it.
+    The same second call, run again alone afterwards, must give the same bytes."""
+    v = _seed_variant(index_mode="none", index_dtype=None)
+    T = 8192
+    first = with_outputs(make_inputs(v, T, 16, 0, slots="prefill", device="cuda", seed=7))
+    second = make_inputs(v, T, 8, 0, slots="prefill", device="cuda", seed=8)
+    second = with_outputs(dict(second, qkv=first["q_out"].view(T, -1)))
+    for _ in range(3):
+        poison(first, 3)
+        poison(second, 4)  # q_out of the first call is the second's qkv: garbage until written
+        before = _clone(second)
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fused_qknorm_rope_cache(**first)
+                fused_qknorm_rope_cache(**second)
+            poison(first, 3)
+            poison(second, 4)
+            g.replay()
+        else:
+            fused_qknorm_rope_cache(**first)
+            fused_qknorm_rope_cache(**second)
+        torch.cuda.synchronize()
+        again = dict(before, qkv=first["q_out"].view(T, -1))
+        fused_qknorm_rope_cache(**again)
+        torch.cuda.synchronize()
+        for key in ("q_out", "k_cache", "v_cache"):
+            a, b = second[key].view(torch.uint8).flatten(), again[key].view(torch.uint8).flatten()
+            bad = (a != b).nonzero().flatten()
+            assert bad.numel() == 0, (f"iteration {_}: {key}: {bad.numel()} of {a.numel()} bytes differ, "
+                                      f"first at {bad[:4].tolist()} last {bad[-1:].tolist()}")
+
+
+def test_a_signature_validated_before_still_rejects_bad_calls():
+    """After a good call, calls that differ only in what validation checks still raise
+    before launching, and checked mode still reads the ranges."""
+    v = _seed_variant()
+    args = make_inputs(v, 16, 8, 2, slots="decode", device="cuda", seed=9)
+    q_out = args["qkv"].new_empty((16, 8, v.head_dim))
+    fused_qknorm_rope_cache(**args, q_out=q_out)
+    flat = torch.empty(q_out.numel() + 8, dtype=q_out.dtype, device="cuda")
+    with pytest.raises(ValueError, match="q_out: expected a 16-byte aligned"):
+        fused_qknorm_rope_cache(**args, q_out=flat[1:1 + q_out.numel()].view(q_out.shape))
+    with pytest.raises(TypeError, match="q_out: expected dtype"):
+        fused_qknorm_rope_cache(**args, q_out=q_out.half())
+    bad = dict(args, slot_mapping=args["slot_mapping"].clone())
+    bad["slot_mapping"][3] = 1 << 40
+    with pytest.raises(ValueError, match="slot_mapping: entry 3"):
+        fused_qknorm_rope_cache(**bad, q_out=q_out, checked=True)
 
 
 def test_cuda_graph_capture_with_padding():

@@ -4,8 +4,10 @@
 
 #include <stdint.h>
 
-#define KVF_ABI_VERSION 1
+#define KVF_ABI_VERSION 2
 #define KVF_MAX_DIMS 8
+#define KVF_MAX_PIPELINE_DEPTH 2      // a library holds the main loop at depths 1..this
+#define KVF_DEFAULT_PIPELINE_DEPTH 2  // the depth a call naming 0 gets
 
 #ifdef __cplusplus
 extern "C" {
@@ -42,6 +44,7 @@ typedef struct {
   int32_t num_heads;
   int32_t num_index_heads;
   float eps;
+  int32_t pipeline_depth;           // tokens a thread loads ahead (1..KVF_MAX_PIPELINE_DEPTH; 0 = default)
 } kvf_args_t;
 
 #ifdef __cplusplus

@@ -26,6 +26,8 @@ enum class Scale { None, Unit, PerTensor, PerHead };
 constexpr int kVec = 8;       // model-dtype elements per lane (16 bytes)
 constexpr int kBlock = 256;
 constexpr int kMinBlocksPerSM = 2;  // caps registers at 128 so two blocks stay resident
+// A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
+// (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default).
 
 struct Dims {
   int32_t lanes_per_token;    // main loop: heads handled per token * lanes per head
@@ -146,9 +148,6 @@ struct Fused {
   static constexpr bool kIndex = VT::kIndexMode == IndexMode::Full;
   static constexpr bool kKvFp8 = VT::kKvScale != Scale::None;
   static constexpr bool kVTransposed = VT::V::kDVec == 1 && VT::V::kSlotVec > 1;
-  // Tokens per thread per iteration; the next iteration's are loaded meanwhile, so
-  // 2 * kUnroll rows of 16 bytes are in flight per thread.
-  static constexpr int kUnroll = 1;
   static_assert(LPH >= 2 && LPH <= 32 && (LPH & (LPH - 1)) == 0, "head_dim");
   static_assert(R % 2 == 0 && R <= D, "rotary_dim");
 
@@ -158,8 +157,8 @@ struct Fused {
 
   static KVF_DEVICE uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
-  // The cos and sin rows a lane needs, as loaded (unpacked only at use, so the loads of
-  // all kUnroll items are in flight together).
+  // The cos and sin rows a lane needs, as loaded (unpacked only at use, so the loads
+  // stay in flight while other tokens compute).
   struct CosSinRaw {
     uint4 v[CS::kBytes == 4 ? 4 : 2];
   };
@@ -236,33 +235,25 @@ struct Fused {
       }
     } else {
       // Lane l holds dims [16l, 16l + 16). HALF = 16q + r: the partner of element j sits
-      // q or q + 1 lanes away, at an element index known at compile time. Rare, so
-      // cos/sin are read here, value by value.
+      // q or q + 1 lanes away, at an element index known at compile time (one exchange
+      // for each direction per element). Rare, so cos/sin are read here, value by value.
       (void)csr;
       constexpr int E = 2 * kVec, kQ = HALF / E, kR = HALF % E;
       auto clamp = [](int l) { return l < 0 ? 0 : (l >= LANES ? LANES - 1 : l); };
-      float pa[E], pb[E], ma[E], mb[E];
+      auto elem = [&](int j) { return n[j / kVec][j % kVec]; };
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const float v = n[j / kVec][j % kVec];
-        pa[j] = shfl<LANES>(v, clamp(lane + kQ));
-        pb[j] = shfl<LANES>(v, clamp(lane + kQ + 1));
-        ma[j] = shfl<LANES>(v, clamp(lane - kQ));
-        mb[j] = shfl<LANES>(v, clamp(lane - kQ - 1));
-      }
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
+        // Up: the partner of a first-half dim; down: of a second-half dim.
+        const float up = shfl<LANES>(elem((j + kR) % E), clamp(j + kR < E ? lane + kQ : lane + kQ + 1));
+        const float down = shfl<LANES>(elem((j - kR + E) % E), clamp(j >= kR ? lane - kQ : lane - kQ - 1));
         const int e = lane * E + j;
-        const float v = n[j / kVec][j % kVec];
         float& out = y[j / kVec][j % kVec];
         if (e < HALF) {
-          const float p = j + kR < E ? pa[(j + kR) % E] : pb[(j + kR) % E];
-          out = fmaf(v, cos_sin_at(cs, pos, e), -(p * cos_sin_at(cs, pos, HALF + e)));
+          out = fmaf(elem(j), cos_sin_at(cs, pos, e), -(up * cos_sin_at(cs, pos, HALF + e)));
         } else if (e < R) {
-          const float p = j >= kR ? ma[(j - kR + E) % E] : mb[(j - kR + E) % E];
-          out = fmaf(v, cos_sin_at(cs, pos, e - HALF), p * cos_sin_at(cs, pos, e));
+          out = fmaf(elem(j), cos_sin_at(cs, pos, e - HALF), down * cos_sin_at(cs, pos, e));
         } else {
-          out = v;
+          out = elem(j);
         }
       }
     }
@@ -308,36 +299,35 @@ struct Fused {
   // loop can ask cheaply); returns that first slot, else -1. The V loop writes a group
   // whose slots are all consecutive as whole vectors, any other of its groups value by
   // value; the main loop writes the V of every token outside such groups.
+  static KVF_DEVICE bool v_owned(const kvf_args_t& a, int64_t s0, int64_t s_last) {
+    constexpr int TG = VT::V::kSlotVec;
+    return s0 >= 0 && s0 % TG == 0 && s0 + TG <= a.v_cache.capacity && s_last == s0 + TG - 1;
+  }
+
   static KVF_DEVICE int64_t v_group_start(const kvf_args_t& a, int64_t v_tokens, int64_t g) {
     constexpr int TG = VT::V::kSlotVec;
     const int64_t t0 = g * TG;
     if (t0 + TG > v_tokens) return -1;
     const int64_t s0 = a.slot_mapping[t0];
-    const bool ok = s0 >= 0 && s0 % TG == 0 && s0 + TG <= a.v_cache.capacity &&
-                    a.slot_mapping[t0 + TG - 1] == s0 + TG - 1;
-    return ok ? s0 : -1;
+    return v_owned(a, s0, a.slot_mapping[t0 + TG - 1]) ? s0 : -1;
   }
 
+  // A thread's tokens go through a pipeline: the row chunks, position and slot of a
+  // token load kDepth tokens ahead of its math, its cos/sin rows (which wait on the
+  // position) one token ahead where kDepth allows, so neither latency meets the math.
+  // Deeper costs registers and a longer start: the best depth depends on the shape.
+  template <int kDepth>
   static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block) {
+    constexpr int kCsAhead = kDepth >= 2 ? 1 : 0;
+    __shared__ float norm_factors[4][D];
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
-    if (gid >= tpp * dims.lanes_per_token) return;  // whole head groups idle together
+    const bool idle = gid >= tpp * dims.lanes_per_token;  // whole head groups idle together
     const int within = static_cast<int>(gid % dims.lanes_per_token);
     const int lane = within % LANES;
     const int row_head = within / LANES;
     const Role r = role_of(row_head, a.num_heads, a.num_index_heads);
     const uint32_t d0[2] = {uint32_t(chunk_of(lane, 0) * kVec), uint32_t(chunk_of(lane, 1) * kVec)};
-    float wf[2][kVec];  // the norm's per-dim factor: 1 + w (Gemma) or w
-    if (r.kind != kV) {
-      const void* wp = r.kind == kQ ? a.q_norm_weight : r.kind == kK ? a.k_norm_weight
-                     : r.kind == kIQ ? a.index_q_norm_weight : a.index_k_norm_weight;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        unpack8<M>(load16(static_cast<const uint16_t*>(wp) + d0[i]), wf[i]);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) wf[i][j] = VT::kGemma ? 1.0f + wf[i][j] : wf[i][j];
-      }
-    }
     const bool kv = r.kind == kK || r.kind == kV;
     const int64_t* slots = kv ? a.slot_mapping : a.index_slot_mapping;
     const int64_t nslots = kv ? a.num_slots : a.num_index_slots;
@@ -345,48 +335,52 @@ struct Fused {
     const bool needs_cs = kAlignedHalves && r.kind != kV && lane < kRotLanes;
     const char* row0 = static_cast<const char*>(a.qkv) + (int64_t(row_head) * D + d0[0]) * 2;
     const int64_t gap = int64_t(d0[1] - d0[0]) * 2;
-    // Phase 1 for kUnroll tokens: the row chunks, position and slot, all in flight.
-    auto fetch = [&](Token (&tk)[kUnroll], int64_t t0) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        Token& m = tk[u];
-        m.t = t0 + u * tpp;
-        m.live = m.t < a.num_tokens;
-        if constexpr (kVTransposed) {  // that token's V is the V loop's
-          if (r.kind == kV && m.live) m.live = v_group_start(a, dims.v_tokens, m.t / VT::V::kSlotVec) < 0;
-        }
-        const char* p = row0 + m.t * a.qkv_row_stride * 2;
-        m.x[0] = m.live ? load16(p) : make_uint4(0u, 0u, 0u, 0u);
-        m.x[1] = m.live ? load16(p + gap) : make_uint4(0u, 0u, 0u, 0u);
-        m.pos = m.live && r.kind != kV ? a.positions[m.t] : 0;
-        m.slot = m.live && has_slot && m.t < nslots ? slots[m.t] : -1;
+    auto fetch = [&](Token& m, int64_t t) {
+      m.t = t;
+      m.live = !idle && t < a.num_tokens;
+      if constexpr (kVTransposed) {  // that token's V is the V loop's
+        if (r.kind == kV && m.live) m.live = v_group_start(a, dims.v_tokens, t / VT::V::kSlotVec) < 0;
       }
+      const char* p = row0 + t * a.qkv_row_stride * 2;
+      m.x[0] = m.live ? load16(p) : make_uint4(0u, 0u, 0u, 0u);
+      m.x[1] = m.live ? load16(p + gap) : make_uint4(0u, 0u, 0u, 0u);
+      m.pos = m.live && r.kind != kV ? a.positions[t] : 0;
+      m.slot = m.live && has_slot && t < nslots ? slots[t] : -1;
     };
-    const int64_t step = tpp * kUnroll;
-    Token cur[kUnroll], next[kUnroll];
-    fetch(cur, gid / dims.lanes_per_token);
-    for (int64_t t0 = gid / dims.lanes_per_token; t0 < a.num_tokens; t0 += step) {
-      // The next tokens' rows load while this iteration computes (software pipelining).
-      fetch(next, t0 + step);
-      // Phase 2: cos/sin rows (they wait only on the positions).
+    auto fetch_cos_sin = [&](Token& m) {
+      m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
+      m.cs = needs_cs && m.live && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, lane * kVec) : CosSinRaw{};
+    };
+    Token q[kDepth + 1];  // q[k]: the token k steps ahead of the one being computed
+    const int64_t first = gid / dims.lanes_per_token;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        Token& m = cur[u];
-        m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
-        m.cs = needs_cs && m.live && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, lane * kVec)
-                                                : CosSinRaw{};
-      }
-      // Phase 3: the math and the stores.
+    for (int k = 0; k < kDepth; ++k) fetch(q[k], first + k * tpp);
+    // The norms' per-dim factors (1 + w, or w) of q, k, index_q and index_k, shared by
+    // the block (in registers they would cost residency); loaded while the first rows
+    // are in flight, so a call with few tokens waits for memory only twice.
+    for (int i = threadIdx.x; i < 4 * D; i += blockDim.x) {
+      const int k = i / D;
+      const void* src = k == 0 ? a.q_norm_weight : k == 1 ? a.k_norm_weight
+                      : !kIndex ? nullptr : k == 2 ? a.index_q_norm_weight : a.index_k_norm_weight;
+      const float f = src ? M::to_float(static_cast<const uint16_t*>(src)[i % D]) : 0.0f;
+      norm_factors[k][i % D] = VT::kGemma ? 1.0f + f : f;
+    }
+    __syncthreads();
+    if (idle) return;
+    const float* wf = r.kind == kV ? nullptr : norm_factors[r.kind - (r.kind > kV)];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        process(a, lane, r, d0, wf, cur[u]);
-        cur[u] = next[u];
-      }
+    for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
+    for (int64_t t = first; t < a.num_tokens; t += tpp) {
+      fetch(q[kDepth], t + kDepth * tpp);
+      fetch_cos_sin(q[kCsAhead]);
+      process(a, lane, r, d0, wf, q[0]);
+#pragma unroll
+      for (int k = 0; k < kDepth; ++k) q[k] = q[k + 1];
     }
   }
 
   static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role,
-                                 const uint32_t (&d0)[2], const float (&wf)[2][kVec], const Token& m) {
+                                 const uint32_t (&d0)[2], const float* wf, const Token& m) {
     const int64_t t = m.t, slot = m.slot;
     const int kind = role.kind, head = role.head;
     float f[2][kVec];
@@ -415,7 +409,7 @@ struct Fused {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) n[i][j] = (f[i][j] * inv) * wf[i][j];
+      for (int j = 0; j < kVec; ++j) n[i][j] = (f[i][j] * inv) * wf[d0[i] + j];
     }
     rope(m.cs, a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, n, y);
     if (!m.live || m.pos < 0) return;
@@ -471,12 +465,18 @@ struct Fused {
       if (item >= items) break;
       const uint32_t h = static_cast<uint32_t>(item % NKV);
       const int64_t g = item / NKV;
-      const int64_t s0 = v_group_start(a, dims.v_tokens, g);
-      if (s0 < 0) continue;  // the main loop's
-      const int64_t col = int64_t(a.num_heads + NKV + h) * D + d0;
-      bool run = true;
+      // Whether the group is ours (see v_group_start; g < v_groups keeps it in range)
+      // and whether all its slots are consecutive, the head's lanes checking a share
+      // each: all these loads go out together.
+      const int64_t t0 = g * TG;
+      const int64_t s0 = a.slot_mapping[t0], s_last = a.slot_mapping[t0 + TG - 1];
+      int run = 1;
 #pragma unroll
-      for (int k2 = 1; k2 < TG - 1; ++k2) run = run && a.slot_mapping[g * TG + k2] == s0 + k2;
+      for (int k2 = lane; k2 < TG; k2 += LPH) run &= a.slot_mapping[t0 + k2] == s0 + k2;
+      if (!v_owned(a, s0, s_last)) continue;  // the main loop's (the same for the head's lanes)
+#pragma unroll
+      for (int sh = LPH / 2; sh >= 1; sh /= 2) run &= shfl_xor<LPH>(run, sh);
+      const int64_t col = int64_t(a.num_heads + NKV + h) * D + d0;
       // Tokens in chunks of at most 8 (16 FP8 tokens would hold 64 registers of rows).
 #pragma unroll
       for (int c = 0; c < TG / CH; ++c) {
@@ -530,9 +530,13 @@ struct Fused {
   }
 };
 
-template <class VT>
+template <class VT, int kDepth>
 __global__ void __launch_bounds__(kBlock, kMinBlocksPerSM) fused_kernel(const KVF_GRID_CONSTANT kvf_args_t a,
                                                        const Dims dims) {
+  // Launched as a dependent of the previous kernel: nothing above this line may read
+  // or write global memory. The next launch may begin now; it waits for this grid.
+  wait_prior_grid();
+  allow_next_grid();
   // Separate blocks for the two loops, so V's loads and stores run beside the heads'
   // instead of after them.
   const int block = static_cast<int>(blockIdx.x);
@@ -542,13 +546,12 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksPerSM) fused_kernel(const KV
       return;
     }
   }
-  Fused<VT>::main_loop(a, dims, block - dims.v_blocks);
+  Fused<VT>::template main_loop<kDepth>(a, dims, block - dims.v_blocks);
 }
 
-template <class VT>
-int launch(const kvf_args_t* a, void* stream) {
+template <class VT, int kDepth>
+int launch_at_depth(const kvf_args_t* a, void* stream) {
   using F = Fused<VT>;
-  if (a->num_tokens <= 0) return 0;
   Dims dims;
   dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads) * F::LANES;
   dims.v_tokens = a->num_slots < a->num_tokens ? a->num_slots : a->num_tokens;
@@ -561,9 +564,12 @@ int launch(const kvf_args_t* a, void* stream) {
   int dev = 0;
   if (hipGetDevice(&dev) != hipSuccess) return int(hipGetLastError());
   if (dev < 64 && sm_count[dev] == 0) {  // queried once; a failed query keeps the defaults below
-    int n = 0, b = 0;
+    int n = 0;
     if (hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, dev) == hipSuccess) sm_count[dev] = n;
-    if (per_sm == 0 && hipOccupancyMaxActiveBlocksPerMultiprocessor(&b, fused_kernel<VT>, kBlock, 0) == hipSuccess)
+  }
+  if (per_sm == 0) {
+    int b = 0;
+    if (hipOccupancyMaxActiveBlocksPerMultiprocessor(&b, fused_kernel<VT, kDepth>, kBlock, 0) == hipSuccess)
       per_sm = b;
   }
   const int64_t cap = int64_t(dev < 64 && sm_count[dev] ? sm_count[dev] : 132) * (per_sm > 0 ? per_sm : 1);
@@ -572,9 +578,10 @@ int launch(const kvf_args_t* a, void* stream) {
   int64_t main_blocks = (total_main + kBlock - 1) / kBlock;
   int64_t v_blocks = (total_v + kBlock - 1) / kBlock;
   if (main_blocks + v_blocks > cap) {
-    // Split the wave by bytes moved: a V lane carries slot_vec tokens of 16 bytes.
+    // Split the wave by 16-byte rows moved: a V lane carries slot_vec tokens of one,
+    // a main-loop lane two per token.
     const double v_work = double(total_v) * VT::V::kSlotVec;
-    const double share = v_work / (v_work + double(total_main));
+    const double share = v_work / (v_work + 2.0 * double(total_main));
     v_blocks = v_blocks ? static_cast<int64_t>(share * cap + 0.5) : 0;
     if (total_v && v_blocks < 1) v_blocks = 1;
     main_blocks = cap - v_blocks;
@@ -585,8 +592,24 @@ int launch(const kvf_args_t* a, void* stream) {
   dims.tokens_per_pass = main_blocks * kBlock / dims.lanes_per_token;
   dims.v_blocks = static_cast<int32_t>(v_blocks);
   const int64_t blocks = main_blocks + v_blocks;
-  fused_kernel<VT><<<static_cast<unsigned>(blocks), kBlock, 0, static_cast<hipStream_t>(stream)>>>(*a, dims);
-  return int(hipGetLastError());
+  return int(launch_kernel(fused_kernel<VT, kDepth>, static_cast<unsigned>(blocks), kBlock,
+                           static_cast<hipStream_t>(stream), dependent_launch_supported(dev), *a, dims));
+}
+
+template <class VT, int kDepth = 1>
+int launch_depth(const kvf_args_t* a, void* stream, int depth) {
+  if constexpr (kDepth > KVF_MAX_PIPELINE_DEPTH) {
+    return int(hipErrorInvalidValue);
+  } else {
+    return depth == kDepth ? launch_at_depth<VT, kDepth>(a, stream)
+                           : launch_depth<VT, kDepth + 1>(a, stream, depth);
+  }
+}
+
+template <class VT>
+int launch(const kvf_args_t* a, void* stream) {
+  if (a->num_tokens <= 0) return 0;
+  return launch_depth<VT>(a, stream, a->pipeline_depth ? a->pipeline_depth : KVF_DEFAULT_PIPELINE_DEPTH);
 }
 
 }  // namespace kvf

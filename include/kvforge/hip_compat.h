@@ -24,6 +24,7 @@
 typedef cudaStream_t hipStream_t;
 typedef cudaError_t hipError_t;
 #define hipSuccess cudaSuccess
+#define hipErrorInvalidValue cudaErrorInvalidValue
 #define hipGetLastError cudaGetLastError
 #define hipGetErrorString cudaGetErrorString
 #define hipGetDevice cudaGetDevice
@@ -58,8 +59,8 @@ KVF_DEVICE unsigned group_mask() {
 #endif
 }
 
-template <int Width>
-KVF_DEVICE float shfl_xor(float v, int lane_mask) {
+template <int Width, class T>
+KVF_DEVICE T shfl_xor(T v, int lane_mask) {
 #ifdef KVF_CUDA
   return __shfl_xor_sync(group_mask<Width>(), v, lane_mask, Width);
 #else
@@ -74,6 +75,61 @@ KVF_DEVICE float shfl(float v, int src_lane) {
 #else
   return __shfl(v, src_lane, Width);
 #endif
+}
+
+// ---- programmatic dependent launch (NVIDIA sm_90+) ------------------------------------
+// A kernel launched with it may start while the previous kernel of the stream still runs.
+// wait_prior_grid() returns once that kernel has finished and its writes are visible, so
+// no global memory may be touched before it; allow_next_grid() lets the next kernel begin
+// launching (it waits for this one in its own wait_prior_grid). Elsewhere both are no-ops
+// and launches are plain.
+KVF_DEVICE void wait_prior_grid() {
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+KVF_DEVICE void allow_next_grid() {
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether the current device can overlap launches so (queried once per device).
+inline bool dependent_launch_supported(int dev) {
+#ifdef KVF_CUDA
+  static int major[64] = {0};
+  if (dev < 0 || dev >= 64) return false;
+  if (major[dev] == 0 && cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    major[dev] = -1;
+  return major[dev] >= 9;
+#else
+  (void)dev;
+  return false;
+#endif
+}
+
+template <class... P, class... A>
+hipError_t launch_kernel(void (*kernel)(P...), unsigned blocks, unsigned threads, hipStream_t stream,
+                         bool dependent, A&&... args) {
+#ifdef KVF_CUDA
+  if (dependent) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, static_cast<A&&>(args)...);
+  }
+#else
+  (void)dependent;
+#endif
+  kernel<<<blocks, threads, 0, stream>>>(static_cast<A&&>(args)...);
+  return hipGetLastError();
 }
 
 // ---- bit casts -----------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""Tune the main loop's pipeline depth per variant and token range on this GPU.
+
+    python benchmarks/tune.py [--name h200] [--tokens 1,16,128,1024,8192,32768] [--all]
+
+For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
+variant in variants.yaml) and token count, every depth a library holds
+(1..KVF_MAX_PIPELINE_DEPTH) is checked against the reference, then timed under
+CUDA-graph replay with inputs rotated past L2, as bench.py times. A depth other than
+the library's default is chosen only when it is more than 2% faster. Token ranges are
+split at the geometric midpoints between the measured counts; the table goes to
+tuning/<name>.json, which the runtime reads (runtime/tuning.py). Nothing is tuned at
+run time. Shapes: 4 kv heads are timed at TP1 (64, 4, 4 heads), 1 kv head at TP8.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench import CONFIGS, L2_BYTES, TP, find_variant, graph_us, op_bytes  # noqa: E402
+from codegen.model import IndexMode  # noqa: E402
+from codegen.paths import TUNED  # noqa: E402
+from runtime import build, toolchain  # noqa: E402
+from runtime.abi import DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH  # noqa: E402
+from runtime.api import launch_at_depth  # noqa: E402
+from runtime.registry import source_of, spec  # noqa: E402
+from runtime.testing import check_against_reference, make_inputs, with_outputs  # noqa: E402
+from runtime.tuning import parse  # noqa: E402
+
+MARGIN = 0.02
+
+
+def time_depths(v, tokens: int) -> dict[int, float]:
+    nq, _, niq = TP[1] if v.num_kv_heads == 4 else TP[8]
+    niq = niq if v.index_mode is not IndexMode.NONE else 0
+    slots = "decode" if tokens <= 256 else "prefill"
+    probe = make_inputs(v, tokens, nq, niq, slots=slots, device="cuda", seed=0)
+    nbytes = op_bytes(v, probe)
+    n_sets = max(1, min(32, math.ceil(4 * L2_BYTES / nbytes)))
+    sets = [with_outputs(probe)] + [with_outputs(make_inputs(v, tokens, nq, niq, slots=slots,
+                                                            device="cuda", seed=i))
+                                    for i in range(1, n_sets)]
+    n_calls = max(n_sets, min(400, max(8, int(2e9 / nbytes // 1000))))
+    out = {}
+    for depth in range(1, MAX_PIPELINE_DEPTH + 1):
+        check_against_reference(sets[0], lambda **a: launch_at_depth(depth, **a)(), ref_device="cuda")
+        launches = [launch_at_depth(depth, **s) for s in sets]
+        out[depth] = graph_us([launches[i % n_sets] for i in range(n_calls)])
+    del sets, probe
+    torch.cuda.empty_cache()
+    return out
+
+
+def choose(times: dict[int, float]) -> int:
+    best = min(times, key=times.get)
+    return best if times[best] < (1 - MARGIN) * times[DEFAULT_PIPELINE_DEPTH] else DEFAULT_PIPELINE_DEPTH
+
+
+def ranges(choices: list[tuple[int, int]]) -> list[list]:
+    """[(tokens, depth)] measured → [[max_tokens, depth], ..., [None, depth]]."""
+    out: list[list] = []
+    for i, (tokens, depth) in enumerate(choices):
+        upto = None if i + 1 == len(choices) else int(math.sqrt(tokens * choices[i + 1][0]))
+        if out and out[-1][1] == depth:
+            out[-1][0] = upto
+        else:
+            out.append([upto, depth])
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--name", default="h200", help="writes tuning/<name>.json")
+    ap.add_argument("--out", default=str(TUNED))
+    ap.add_argument("--tokens", default="1,16,128,1024,8192,32768")
+    ap.add_argument("--all", action="store_true", help="every listed variant, not only the benchmark's")
+    args = ap.parse_args()
+    if args.all:
+        variants = list(spec().variants)
+    else:
+        variants = sorted({find_variant(axes, nkv) for axes in CONFIGS.values() for nkv in (1, 4)},
+                          key=lambda v: v.uri)
+    build.build_many([build.Job(v.uri, source_of(v)) for v in variants], toolchain.default())
+    tokens = sorted(map(int, args.tokens.split(",")))
+    table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+             "command": f"python benchmarks/tune.py --name {args.name} --tokens {args.tokens}"
+                        + (" --all" if args.all else ""),
+             "choices": {}, "measured_us": {}}
+    for v in variants:
+        picks, measured = [], {}
+        for t in tokens:
+            times = time_depths(v, t)
+            picks.append((t, choose(times)))
+            measured[str(t)] = {str(d): round(us, 3) for d, us in times.items()}
+            print(f"{v.uri} T={t}: " + "  ".join(f"depth {d} {us:.2f} us" for d, us in times.items())
+                  + f"  -> {picks[-1][1]}", flush=True)
+        table["choices"][v.uri] = ranges(picks)
+        table["measured_us"][v.uri] = measured
+    parse(table, "tuner output")  # what the runtime will accept
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out / (args.name + '.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
