@@ -105,12 +105,6 @@ def graph_us(calls: list, reps: int = 7) -> float:
     return statistics.median(events_ms(g.replay, reps)) * 1e3 / len(calls)
 
 
-def tuned_depth(v, tokens: int) -> int:
-    """The depth the runtime picks for this call (0: the library's default)."""
-    table = tuning.table_for(torch.cuda.get_device_name())
-    return table.depth(v.uri, tokens) if table else 0
-
-
 def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_min_tokens: int) -> dict:
     nq, _, niq = TP[tp]
     slots = "decode" if tokens <= 256 else "prefill"
@@ -130,7 +124,7 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
         "dtype": "bf16", "kv": v.kv_scale.value, "index": v.index_dtype.value if v.index_dtype else None,
         "bytes": nbytes, "input_sets": n_sets, "calls_per_graph": n_calls,
         "identical_min": identical,
-        "pipeline_depth": tuned_depth(v, tokens),
+        "pipeline_depth": tuning.depth_used(torch.cuda.get_device_name(), v.uri, tokens),
         "us": graph_us(ours),
         "us_event_per_call": statistics.median(events_ms(ours[0], 30)) * 1e3,
     }

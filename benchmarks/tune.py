@@ -90,6 +90,8 @@ def main() -> int:
                           key=lambda v: v.uri)
     build.build_many([build.Job(v.uri, source_of(v)) for v in variants], toolchain.default())
     tokens = sorted(map(int, args.tokens.split(",")))
+    if len(set(tokens)) != len(tokens) or tokens[0] < 1:
+        ap.error(f"--tokens: expected distinct positive counts, got {args.tokens}")
     table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
              "command": f"python benchmarks/tune.py --name {args.name} --tokens {args.tokens}"
                         + (" --all" if args.all else ""),

@@ -16,6 +16,8 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float, norm: Norm) -> torch.Ten
     return n * (1.0 + w.float() if norm is Norm.GEMMA else w.float())
 
 
+# The engines' own arithmetic (multiply, then add), not the reference's: the peer is what
+# engines run today, and the reference mirrors the fused kernel's fma instead.
 def _rope(n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     half = rotary_dim // 2
     cs = cos_sin[positions].float()

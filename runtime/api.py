@@ -137,7 +137,8 @@ _POINTER_OFFSETS = tuple((name, getattr(Args, field).offset) for field, name in 
 assert ctypes.sizeof(Args) % 8 == 0 and all(off % 8 == 0 for _, off in _POINTER_OFFSETS)
 
 
-_BOUND: dict = {}  # argument signature -> _Bound
+_BOUND: dict = {}  # argument signature -> _Bound, oldest first
+_MAX_BOUND = 4096
 
 
 def _prepared(variant, t: reference.Tensors) -> tuple[_Plan, Args, int]:
@@ -166,7 +167,7 @@ def _signature(argv: tuple) -> tuple[tuple, list]:
     for x in argv:
         if isinstance(x, Tensor):
             p = x.data_ptr()
-            key.append((x.dtype, x.shape, x.stride(), x.get_device(), p & 15))
+            key.append((x.dtype, x.shape, x.stride(), x.device, p & 15))
             ptrs.append(p)
         else:
             key.append((type(x), x))
@@ -197,8 +198,8 @@ def _run(argv: tuple, checked: bool, force_reference: bool) -> None:
         try:
             key, ptrs = _signature(argv)
             bound = _BOUND.get(key)
-        except TypeError:  # an unhashable argument: validation will say what is wrong
-            bound = None
+        except (TypeError, RuntimeError):  # unhashable, or a tensor without a data pointer
+            bound = None                    # (sparse, meta): validation will say what is wrong
         if bound is not None:
             bound.launch(ptrs)
             return
@@ -212,10 +213,11 @@ def _run(argv: tuple, checked: bool, force_reference: bool) -> None:
         return
     plan, a, device_index = _prepared(variant, t)
     _launch(plan, a, device_index)
-    if fast and len(_BOUND) < 4096:  # bounded: shapes vary with the token count
-        bound = _Bound.of(plan, a, t, argv)
-        if bound is not None:
-            _BOUND[key] = bound
+    bound = _Bound.of(plan, a, t, argv) if fast else None
+    if bound is not None:
+        if len(_BOUND) >= _MAX_BOUND:  # shapes vary with the token count: drop the oldest
+            _BOUND.pop(next(iter(_BOUND)), None)
+        _BOUND[key] = bound
 
 
 _OP = "kvforge::fused_qknorm_rope_cache"

@@ -26,6 +26,9 @@ HIPCC_FLAGS = ("-x", "hip", "-std=c++17", "-O3", "-ffp-contract=off", "-fPIC", "
 # (so tests can read the instructions), against whatever HIP headers are installed.
 CLANG_HIP_FLAGS = ("-x", "hip", "--offload-device-only", "-nogpulib", "-D__AMDGCN_WAVEFRONT_SIZE=64",
                    "-std=c++17", "-O3", "-ffp-contract=off", "-S", "-Werror")
+# Its host half (the launcher): checked for syntax and types only.
+CLANG_HIP_HOST_FLAGS = ("-x", "hip", "--offload-host-only", "-nogpulib", "-D__AMDGCN_WAVEFRONT_SIZE=64",
+                        "-std=c++17", "-fsyntax-only", "-Werror")
 
 
 class ToolchainError(RuntimeError):
@@ -55,6 +58,13 @@ class Toolchain:
 
     def command(self, source: str, output: str) -> list[str]:
         return [self.compiler, *self.flags, f"-I{INCLUDE}", "-o", output, source]
+
+    def host_check_command(self, source: str) -> list[str]:
+        """clang-hip only: compile the host side of a source (the launcher) without output."""
+        if self.kind != "clang-hip":
+            raise ToolchainError(f"host_check_command is for the clang-hip check, not {self.kind}")
+        return [self.compiler, *CLANG_HIP_HOST_FLAGS, f"--offload-arch={self.arch}",
+                f"--rocm-path={self.rocm_path}", f"-I{INCLUDE}", source]
 
 
 def _run(cmd: list[str]) -> str:

@@ -21,7 +21,7 @@ from typing import Optional
 
 from codegen.paths import TUNED
 
-from .abi import MAX_PIPELINE_DEPTH
+from .abi import DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH
 
 Ranges = tuple[tuple[Optional[int], int], ...]  # ((max_tokens or None, depth), ...)
 
@@ -74,19 +74,35 @@ def parse(data, where: str) -> Table:
     return Table(device=data["device"], choices=out)
 
 
-def load(path: Path) -> Table:
+def _read(path: Path):
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise TuningError(f"{path}: cannot read: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise TuningError(f"{path}:{e.lineno}: not JSON: {e.msg}") from None
-    return parse(data, str(path))
+
+
+def load(path: Path) -> Table:
+    return parse(_read(path), str(path))
 
 
 @lru_cache(maxsize=None)
 def table_for(device: str, root: Path = TUNED) -> Optional[Table]:
-    """The tuned table for a device name (e.g. 'NVIDIA H200'), if one is stored."""
+    """The tuned table for a device name (e.g. 'NVIDIA H200'), if one is stored. Only
+    that device's file is parsed (a broken file for another GPU does not matter here);
+    two files for one device are an error, not a silent choice."""
+    found = []
     for path in sorted(root.glob("*.json")) if root.is_dir() else ():
-        table = load(path)
-        if table.device == device:
-            return table
-    return None
+        data = _read(path)
+        if isinstance(data, dict) and data.get("device") == device:
+            found.append((path, data))
+    if len(found) > 1:
+        raise TuningError(f"{root}: {', '.join(p.name for p, _ in found)} all tune {device!r}; keep one")
+    return parse(found[0][1], str(found[0][0])) if found else None
+
+
+def depth_used(device: str, uri: str, tokens: int) -> int:
+    """The depth a call of `tokens` tokens runs at on `device` (for reports)."""
+    table = table_for(device)
+    return (table.depth(uri, tokens) if table else 0) or DEFAULT_PIPELINE_DEPTH

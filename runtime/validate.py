@@ -178,6 +178,9 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
     _dtype("cos_sin_cache", cos_sin_cache, tuple(COS_SIN_DTYPES))
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != rotary_dim:
         raise ValueError(f"cos_sin_cache: expected shape [max_pos, rotary_dim={rotary_dim}], got {_shape(cos_sin_cache)}")
+    if cos_sin_cache.shape[0] < 1:
+        raise ValueError("cos_sin_cache: expected at least one row (position), got shape "
+                         f"{_shape(cos_sin_cache)}")
     _contiguous("cos_sin_cache", cos_sin_cache)
     _aligned("cos_sin_cache", cos_sin_cache)
     _slots("slot_mapping", slot_mapping, device, T)
@@ -256,6 +259,9 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
     for name, out, heads, dtypes in (("q_out", q_out, num_heads, (qkv.dtype,)),
                                      ("index_q_out", index_q_out if full else None, num_index_heads,
                                       (index_cache.dtype if full else None,))):
+        if out is None and (name == "q_out" or full):
+            # the public function allocates it; the op itself (torch.ops) needs it passed
+            raise ValueError(f"{name}: required (an output the kernel writes), got None")
         if out is None:
             continue
         _tensor(name, out, device=device)

@@ -1,6 +1,7 @@
 """The AMD side, proven by compiling: every variant's device code for gfx942 and gfx950
 (clang's HIP mode against the Debian HIP headers), and what the assembly must show."""
 import re
+import subprocess
 
 import pytest
 
@@ -27,6 +28,19 @@ def assembly(request):
     jobs = [build.Job(v.uri, source_of(v)) for v in VARIANTS]
     paths = build.build_many(jobs, tc)
     return request.param, {v.uri: p.read_text() for v, p in zip(VARIANTS, paths)}
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_the_host_side_compiles_for_hip(arch, tmp_path):
+    """The launcher (launch_kernel, the depth dispatch) as hipcc would build it on the host,
+    for one variant of each contract."""
+    tc = _toolchain(arch)
+    for contract in sorted({v.contract.name for v in VARIANTS}):
+        v = next(v for v in VARIANTS if v.contract.name == contract)
+        src = tmp_path / f"{v.uri}.hip"
+        src.write_text(source_of(v))
+        r = subprocess.run(tc.host_check_command(str(src)), capture_output=True, text=True)
+        assert r.returncode == 0, f"{v.uri}:\n{r.stderr[-2000:]}"
 
 
 def kernel_metadata(asm: str, key: str) -> list[str]:

@@ -77,6 +77,8 @@ A = seed_args()
     (dict(num_heads=5), ValueError, "qkv: a row of 1920 elements does not hold num_heads=5 + 2*num_kv_heads=4 "
      "+ num_index_heads=2 + 1 index_k head heads of head_dim 128 (= 2048, index_mode full)"),
     (dict(rotary_dim=63), ValueError, "rotary_dim: expected an even number in [2, head_dim=128], got 63"),
+    (dict(cos_sin_cache=A["cos_sin_cache"][:0]), ValueError,
+     "cos_sin_cache: expected at least one row (position), got shape (0, 64)"),
     (dict(rotary_dim=130), ValueError, "rotary_dim: expected an even number in [2, head_dim=128], got 130"),
     (dict(positions=A["positions"][:5]), ValueError, "positions: expected 6 entries (one per qkv row), got 5"),
     (dict(positions=A["positions"].int()), TypeError, "positions: expected dtype int64, got int32"),
@@ -218,3 +220,27 @@ def test_the_validated_signature_covers_everything_validation_reads():
     for what, a in changed.items():
         assert _signature(argv(a))[0] != base, what
     assert _signature((1,))[0] != _signature((True,))[0]  # equal and same hash, not valid alike
+
+
+def test_the_op_itself_needs_its_outputs_passed():
+    """The public function allocates q_out / index_q_out; the op (torch.ops.kvforge, whose
+    schema makes index_q_out optional) and validation refuse a missing one, writing nothing."""
+    from runtime.api import _ARG_NAMES
+
+    args = seed_args()
+    defaults = {"eps": 1e-6, "index_mode": "full", "norm": "gemma", "kv_cache": None}
+    call = dict(args, index_q_out=None)
+    snap = snapshot(call)
+    with pytest.raises(ValueError, match=r"^index_q_out: required \(an output the kernel writes\), got None$"):
+        torch.ops.kvforge.fused_qknorm_rope_cache(
+            *[call.get(n, defaults.get(n)) for n in _ARG_NAMES], False)
+    assert_untouched(call, snap)
+    names = inspect.signature(check).parameters
+    with pytest.raises(ValueError, match=r"^q_out: required \(an output the kernel writes\), got None$"):
+        check(**{n: dict(args, q_out=None).get(n, defaults.get(n)) for n in names})
+
+
+def test_a_tensor_without_a_data_pointer_gets_a_validation_error():
+    args = dict(seed_args(), positions=seed_args()["positions"].to_sparse())
+    with pytest.raises(ValueError, match=r"^positions: "):
+        fused_qknorm_rope_cache(**args)

@@ -43,9 +43,19 @@ def test_a_file_that_is_not_json_names_its_line(tmp_path):
 
 def test_the_table_is_found_by_device_name(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(table({"v": [[16, 1], [None, 2]]})))
-    t = table_for("GPU X", tmp_path)
+    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "choices": {"v": [[0, 9]]}}))
+    t = table_for("GPU X", tmp_path)  # b.json is broken, but for another GPU
     assert t.depth("v", 16) == 1 and t.depth("v", 17) == 2 and t.depth("other", 1) == 0
     assert table_for("GPU Y", tmp_path) is None
+    with pytest.raises(TuningError, match="b.json: v: range 0"):
+        table_for("GPU Z", tmp_path)
+
+
+def test_two_tables_for_one_device_are_an_error(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(table({"v": [[None, 2]]})))
+    with pytest.raises(TuningError, match=r"a.json, b.json all tune 'GPU X'; keep one"):
+        table_for("GPU X", tmp_path)
 
 
 def test_the_tuner_keeps_the_default_unless_another_depth_is_clearly_faster():

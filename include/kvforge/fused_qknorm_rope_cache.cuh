@@ -23,7 +23,7 @@ namespace kvf {
 enum class IndexMode { Full, Skip, None };
 enum class Scale { None, Unit, PerTensor, PerHead };
 
-constexpr int kVec = 8;       // model-dtype elements per lane (16 bytes)
+constexpr int kVec = 8;       // model-dtype elements per chunk (16 bytes); a lane holds two
 constexpr int kBlock = 256;
 constexpr int kMinBlocksPerSM = 2;  // caps registers at 128 so two blocks stay resident
 // A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
@@ -107,7 +107,7 @@ KVF_DEVICE void store_bytes(void* p, const uint32_t* w, int at) {
   }
 }
 
-// Write one lane's 8 dims [d0, d0+8) of one (slot, head) into a cache, in vectors of
+// Write one chunk's 8 dims [d0, d0+8) of one (slot, head) into a cache, in vectors of
 // C::kDVec elements (the widest the layout keeps contiguous along d).
 template <class C>
 KVF_DEVICE void store_dims(const kvf_cache_t& c, int64_t slot, uint32_t h, uint32_t d0,
@@ -273,7 +273,7 @@ struct Fused {
   }
 
   // What a main-loop thread is: one lane of one head of the row, the same for every
-  // token it visits, so its weights and branches are settled once.
+  // token it visits, so its role, dims and branches are settled once.
   struct Role {
     int kind, head;
   };
@@ -295,21 +295,19 @@ struct Fused {
   };
 
   // V group g is tokens [g*TG, g*TG + TG). It belongs to the V loop when its first slot
-  // is TG-aligned and its last slot is TG - 1 further on (two loads decide, so the main
-  // loop can ask cheaply); returns that first slot, else -1. The V loop writes a group
-  // whose slots are all consecutive as whole vectors, any other of its groups value by
-  // value; the main loop writes the V of every token outside such groups.
+  // s0 is TG-aligned and its last slot s_last is TG - 1 further on (two loads decide, so
+  // the main loop can ask cheaply). The V loop writes a group whose slots are all
+  // consecutive as whole vectors, any other of its groups value by value; the main loop
+  // writes the V of every token outside such groups.
   static KVF_DEVICE bool v_owned(const kvf_args_t& a, int64_t s0, int64_t s_last) {
     constexpr int TG = VT::V::kSlotVec;
     return s0 >= 0 && s0 % TG == 0 && s0 + TG <= a.v_cache.capacity && s_last == s0 + TG - 1;
   }
 
-  static KVF_DEVICE int64_t v_group_start(const kvf_args_t& a, int64_t v_tokens, int64_t g) {
+  static KVF_DEVICE bool v_loop_owns(const kvf_args_t& a, int64_t v_tokens, int64_t g) {
     constexpr int TG = VT::V::kSlotVec;
     const int64_t t0 = g * TG;
-    if (t0 + TG > v_tokens) return -1;
-    const int64_t s0 = a.slot_mapping[t0];
-    return v_owned(a, s0, a.slot_mapping[t0 + TG - 1]) ? s0 : -1;
+    return t0 + TG <= v_tokens && v_owned(a, a.slot_mapping[t0], a.slot_mapping[t0 + TG - 1]);
   }
 
   // A thread's tokens go through a pipeline: the row chunks, position and slot of a
@@ -339,7 +337,7 @@ struct Fused {
       m.t = t;
       m.live = !idle && t < a.num_tokens;
       if constexpr (kVTransposed) {  // that token's V is the V loop's
-        if (r.kind == kV && m.live) m.live = v_group_start(a, dims.v_tokens, t / VT::V::kSlotVec) < 0;
+        if (r.kind == kV && m.live) m.live = !v_loop_owns(a, dims.v_tokens, t / VT::V::kSlotVec);
       }
       const char* p = row0 + t * a.qkv_row_stride * 2;
       m.x[0] = m.live ? load16(p) : make_uint4(0u, 0u, 0u, 0u);
@@ -448,7 +446,7 @@ struct Fused {
   }
 
   // V for layouts whose 16-byte runs span tokens (SHUFFLE): a lane owns the TG tokens of
-  // one group (see v_group_start) for one 8-dim chunk. When their slots are consecutive
+  // one group (see v_owned) for one 8-dim chunk. When their slots are consecutive
   // (a prefill run), each dim's TG values leave as one store; otherwise value by value.
   static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks) {
     using C = typename VT::V;
@@ -465,7 +463,7 @@ struct Fused {
       if (item >= items) break;
       const uint32_t h = static_cast<uint32_t>(item % NKV);
       const int64_t g = item / NKV;
-      // Whether the group is ours (see v_group_start; g < v_groups keeps it in range)
+      // Whether the group is ours (see v_owned; g < v_groups keeps it in range)
       // and whether all its slots are consecutive, the head's lanes checking a share
       // each: all these loads go out together.
       const int64_t t0 = g * TG;
@@ -558,7 +556,8 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
   dims.v_groups = 0;
   if constexpr (F::kVTransposed) dims.v_groups = dims.v_tokens / VT::V::kSlotVec;
   // One wave of resident blocks at most; the main loop's threads then stride over the
-  // tokens. While the work fits, a lane per 16 bytes (few tokens: the most parallelism).
+  // tokens. While the work fits, a lane per 32 bytes of a token (few tokens: the most
+  // parallelism).
   static int sm_count[64] = {0};
   static int per_sm = 0;
   int dev = 0;
