@@ -86,12 +86,13 @@ def _args(plan: _Plan, t: reference.Tensors) -> Args:
     return a
 
 
-def _launch(plan: _Plan, a: Args, device_index: int) -> None:
+def _launch(launch: Callable, args, device_index: int) -> None:
+    """launch(args, stream) on torch's current stream of that device."""
     if device_index != torch.cuda.current_device():
         with torch.cuda.device(device_index):
-            plan.lib.launch(a, _current_stream(device_index))
+            launch(args, _current_stream(device_index))
     else:
-        plan.lib.launch(a, _current_stream(device_index))
+        launch(args, _current_stream(device_index))
 
 
 class _Bound:
@@ -123,12 +124,7 @@ class _Bound:
         words = list(self.words)
         for w, i in self.slots:
             words[w] = ptrs[i]
-        packed = self.packer.pack(*words)
-        if self.device_index != torch.cuda.current_device():
-            with torch.cuda.device(self.device_index):
-                self.plan.lib.launch_packed(packed, _current_stream(self.device_index))
-        else:
-            self.plan.lib.launch_packed(packed, _current_stream(self.device_index))
+        _launch(self.plan.lib.launch_packed, self.packer.pack(*words), self.device_index)
 
 
 # Byte offsets in Args of each data pointer, by the Tensors attribute it comes from.
@@ -158,7 +154,7 @@ def launch_at_depth(depth: int, **kwargs) -> Callable[[], None]:
     variant, t = check(**{name: kwargs.get(name, params[name].default) for name in _ARG_NAMES})
     plan, a, device_index = _prepared(variant, t)
     a.pipeline_depth = depth
-    return functools.partial(_launch, plan, a, device_index)
+    return functools.partial(_launch, plan.lib.launch, a, device_index)
 
 
 def _signature(argv: tuple) -> tuple[tuple, list]:
@@ -199,7 +195,7 @@ def _run(argv: tuple, checked: bool, force_reference: bool) -> None:
             key, ptrs = _signature(argv)
             bound = _BOUND.get(key)
         except (TypeError, RuntimeError):  # unhashable, or a tensor without a data pointer
-            bound = None                    # (sparse, meta): validation will say what is wrong
+            key = bound = None              # (sparse, meta): validation will say what is wrong
         if bound is not None:
             bound.launch(ptrs)
             return
@@ -212,8 +208,8 @@ def _run(argv: tuple, checked: bool, force_reference: bool) -> None:
     if t.qkv.shape[0] == 0:
         return
     plan, a, device_index = _prepared(variant, t)
-    _launch(plan, a, device_index)
-    bound = _Bound.of(plan, a, t, argv) if fast else None
+    _launch(plan.lib.launch, a, device_index)
+    bound = _Bound.of(plan, a, t, argv) if fast and key is not None else None
     if bound is not None:
         if len(_BOUND) >= _MAX_BOUND:  # shapes vary with the token count: drop the oldest
             _BOUND.pop(next(iter(_BOUND)), None)
