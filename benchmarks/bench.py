@@ -33,7 +33,7 @@ from benchmarks.report import write_report  # noqa: E402
 from codegen.model import IndexMode  # noqa: E402
 from runtime import build, fused_qknorm_rope_cache, toolchain, tuning  # noqa: E402
 from runtime.abi import KernelLibrary  # noqa: E402
-from runtime.registry import Registry, source_of, spec  # noqa: E402
+from runtime.registry import source_of, spec  # noqa: E402
 from runtime.testing import check_against_reference, make_inputs, with_outputs  # noqa: E402
 
 TP = {1: (64, 4, 4), 4: (16, 1, 1), 8: (8, 1, 1)}  # (q heads, kv heads, index heads)
@@ -105,19 +105,27 @@ def graph_us(calls: list, reps: int = 7) -> float:
     return statistics.median(events_ms(g.replay, reps)) * 1e3 / len(calls)
 
 
-def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_min_tokens: int) -> dict:
-    nq, _, niq = TP[tp]
+def input_sets(v, tokens: int, nq: int, niq: int, device="cuda") -> tuple[list[dict], str, int, int]:
+    """Input sets to rotate (with outputs), their slots, the op's bytes, and how many calls one graph
+    replays: enough sets that the working set is ≥ 4× L2 (within 8 GB), enough calls that
+    a replay lasts a few ms. Slots as engines make them: decode up to 256 tokens."""
     slots = "decode" if tokens <= 256 else "prefill"
-    probe = make_inputs(v, tokens, nq, niq, slots=slots, device="cuda", seed=0)
+    probe = make_inputs(v, tokens, nq, niq, slots=slots, device=device, seed=0)
     nbytes = op_bytes(v, probe)
-    # Rotate enough input sets that the working set is ≥ 4× L2, within 8 GB.
     n_sets = max(1, min(64, math.ceil(4 * L2_BYTES / nbytes), (8 << 30) // nbytes))
     sets = [with_outputs(probe)] + [with_outputs(make_inputs(v, tokens, nq, niq, slots=slots,
-                                                            device="cuda", seed=i))
+                                                            device=device, seed=i))
                                     for i in range(1, n_sets)]
+    n_calls = max(n_sets, min(400, max(8, int(2e9 / max(nbytes, 1) // 1000))))
+    return sets, slots, nbytes, n_calls
+
+
+def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_min_tokens: int) -> dict:
+    nq, _, niq = TP[tp]
+    sets, slots, nbytes, n_calls = input_sets(v, tokens, nq, niq)
+    n_sets = len(sets)
     stats = check_against_reference(sets[0], fused_qknorm_rope_cache, ref_device="cuda")
     identical = min(s["identical"] for s in stats.values())
-    n_calls = max(n_sets, min(400, max(8, int(2e9 / max(nbytes, 1) // 1000))))
     ours = [functools.partial(fused_qknorm_rope_cache, **sets[i % n_sets]) for i in range(n_calls)]
     rec = {
         "contract": v.contract.name, "variant": v.uri, "tp": tp, "tokens": tokens, "slots": slots,
@@ -142,7 +150,7 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
         except Exception as e:  # a peer that cannot be captured is reported, not fatal
             rec[f"{peer}_us"] = None
             rec[f"{peer}_error"] = f"{type(e).__name__}: {e}"[:300]
-    del sets, probe
+    del sets
     torch.cuda.empty_cache()
     return rec
 

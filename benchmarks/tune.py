@@ -14,7 +14,6 @@ run time. Shapes: 4 kv heads are timed at TP1 (64, 4, 4 heads), 1 kv head at TP8
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
@@ -25,14 +24,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench import CONFIGS, L2_BYTES, TP, find_variant, graph_us, op_bytes  # noqa: E402
+from benchmarks.bench import CONFIGS, TP, find_variant, graph_us, input_sets  # noqa: E402
 from codegen.model import IndexMode  # noqa: E402
 from codegen.paths import TUNED  # noqa: E402
 from runtime import build, toolchain  # noqa: E402
 from runtime.abi import DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH  # noqa: E402
 from runtime.api import launch_at_depth  # noqa: E402
 from runtime.registry import source_of, spec  # noqa: E402
-from runtime.testing import check_against_reference, make_inputs, with_outputs  # noqa: E402
+from runtime.testing import check_against_reference  # noqa: E402
 from runtime.tuning import parse  # noqa: E402
 
 MARGIN = 0.02
@@ -41,20 +40,14 @@ MARGIN = 0.02
 def time_depths(v, tokens: int) -> dict[int, float]:
     nq, _, niq = TP[1] if v.num_kv_heads == 4 else TP[8]
     niq = niq if v.index_mode is not IndexMode.NONE else 0
-    slots = "decode" if tokens <= 256 else "prefill"
-    probe = make_inputs(v, tokens, nq, niq, slots=slots, device="cuda", seed=0)
-    nbytes = op_bytes(v, probe)
-    n_sets = max(1, min(32, math.ceil(4 * L2_BYTES / nbytes)))
-    sets = [with_outputs(probe)] + [with_outputs(make_inputs(v, tokens, nq, niq, slots=slots,
-                                                            device="cuda", seed=i))
-                                    for i in range(1, n_sets)]
-    n_calls = max(n_sets, min(400, max(8, int(2e9 / nbytes // 1000))))
+    sets, _, _, n_calls = input_sets(v, tokens, nq, niq)
+    n_sets = len(sets)
     out = {}
     for depth in range(1, MAX_PIPELINE_DEPTH + 1):
         check_against_reference(sets[0], lambda **a: launch_at_depth(depth, **a)(), ref_device="cuda")
         launches = [launch_at_depth(depth, **s) for s in sets]
         out[depth] = graph_us([launches[i % n_sets] for i in range(n_calls)])
-    del sets, probe
+    del sets
     torch.cuda.empty_cache()
     return out
 

@@ -74,3 +74,14 @@ def test_stored_tables_load_and_name_listed_variants():
     for path in sorted(TUNED.glob("*.json")):
         t = load(path)
         assert set(t.choices) <= uris, path
+
+
+def test_the_scripts_build_their_rotating_input_sets():
+    """bench.py and tune.py share input_sets; on the CPU it shows the rotation rule."""
+    from benchmarks.bench import L2_BYTES, input_sets
+
+    v = spec().variants[0]
+    sets, slots, nbytes, n_calls = input_sets(v, 4, 8, 2, device="cpu")
+    assert slots == "decode" and len(sets) == 64  # tiny calls: capped at 64 sets
+    assert n_calls >= len(sets) and all("q_out" in s for s in sets)  # each set replayed
+    assert nbytes * len(sets) < 4 * L2_BYTES  # the cap, not the L2 rule, decided here
