@@ -17,7 +17,6 @@ SPEC = spec()
 def read_k(contract, cache, slot, D):
     """[nkv, D] stored for `slot`, by each engine's documented layout."""
     if contract == "vllm_shuffle16":
-        x = 16 // cache.element_size()
         page, off = divmod(slot, 16)
         return cache[page, :, :, off, :].reshape(cache.shape[1], D)  # [h, d//x, x] -> [h, d]
     if contract == "sglang_nhd":
