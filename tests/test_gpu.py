@@ -19,6 +19,8 @@ CASES = [
     pytest.param(1, 8, 2, "decode", 0, {}, id="t1-decode"),
     pytest.param(7, 8, 2, "prefill", 2, {"page_stride_pad": 1}, id="t7-prefill-pad-strided"),
     pytest.param(33, 16, 1, "random", 3, {"cos_sin": "random"}, id="t33-shuffled-randcs"),
+    # past the SHUFFLE V loop's threshold (256 tokens) with scattered slots: every group by value
+    pytest.param(300, 8, 2, "random", 4, {}, id="t300-shuffled"),
     pytest.param(1000, 8, 4, "prefill", 0, {"num_slots": 990, "extra_pages": 0}, id="t1000-short-slots"),
     pytest.param(64, 64, 4, "decode", 5, {"extra_pages": 0}, id="t64-tp1-decode"),
 ]
@@ -54,13 +56,14 @@ def test_variant_matches_reference(variant, tokens, nq, niq, slots, pad, opts):
 @pytest.mark.parametrize("depth", range(1, MAX_PIPELINE_DEPTH + 1))
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.uri)
 def test_every_pipeline_depth_matches_reference(variant, depth):
-    """The tuned table may pick any depth a library holds, for any token count. 1500
-    tokens of 8 q heads are more than one pass of a one-wave grid for every head_dim
-    (an H200 holds 2 x 132 blocks: 222 to 889 tokens per pass), so each thread runs
-    the pipeline through several tokens, the last ones padded or past the slots."""
+    """The tuned table may pick any depth a library holds, for any token count. 4000
+    tokens of 8 q heads are at least two passes of a one-wave grid for every head_dim
+    (an H200 holds 2 or 3 x 132 blocks of 256 threads: at most ~1700 tokens per pass),
+    so each thread runs the pipeline through several tokens, the last ones padded or
+    past the slots."""
     niq = 0 if variant.index_mode is IndexMode.NONE else 2
-    args = make_inputs(variant, 1500, 8, niq, slots="prefill", pad=7, device="cuda", seed=21,
-                       cos_sin="random", num_slots=1490)
+    args = make_inputs(variant, 4000, 8, niq, slots="prefill", pad=7, device="cuda", seed=21,
+                       cos_sin="random", num_slots=3990)
     check_against_reference(args, lambda **a: launch_at_depth(depth, **a)(), ref_device="cuda")
 
 
@@ -206,13 +209,15 @@ def test_vllm_nhd_views_unbound_from_one_allocation():
     check_against_reference(args, fused_qknorm_rope_cache)
 
 
+@pytest.mark.parametrize("v_loop", [False, True], ids=["main-loop", "v-loop"])
 @pytest.mark.parametrize("kv_scale", ["none", "per_tensor"])
-def test_shuffle_v_groups_that_are_almost_runs(kv_scale):
-    """SHUFFLE's V loop takes a group when its first and last slots line up; a group
-    whose middle is out of order must still land value by value."""
+def test_shuffle_v_groups_that_are_almost_runs(kv_scale, v_loop):
+    """SHUFFLE's V loop (from 256 tokens on; below, the main loop writes V) stores a
+    group as vectors when its slots are one aligned run; a group whose middle is out of
+    order must still land value by value."""
     v = _seed_variant(kv_scale=kv_scale, fp8="e4m3fn") if kv_scale != "none" else _seed_variant()
     tg = 16 if kv_scale != "none" else 8
-    args = make_inputs(v, 4 * tg, 8, 2, slots="prefill", device="cuda", seed=10)
+    args = make_inputs(v, 300 if v_loop else 4 * tg, 8, 2, slots="prefill", device="cuda", seed=10)
     sm = args["slot_mapping"]
     sm[1], sm[2] = sm[2].clone(), sm[1].clone()            # group 0: middle swapped
     sm[tg + 3] = -1                                         # group 1: a padded token inside

@@ -9,10 +9,11 @@
 // RoPE partner where the rotary halves allow), so one head of D dims is D/16 adjacent
 // lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction is
 // a shuffle butterfly inside the group. A main-loop thread keeps one head lane for
-// every token it visits and loads the next tokens' rows while computing the current.
-// V of a layout that scatters one token's dims (SHUFFLE) goes, for prefill runs, to a
-// second loop in its own blocks, in which a lane owns `slot_vec` consecutive tokens of
-// one dim chunk and transposes them in registers into whole vector stores.
+// every token it visits and copies the next tokens' rows into shared memory while
+// computing the current. V of a layout that scatters one token's dims (SHUFFLE) goes,
+// from kVLoopMinTokens tokens on, to a second loop every thread runs after the main
+// one, in which a lane owns `slot_vec` consecutive tokens of one dim chunk and, for
+// prefill runs, transposes them in registers into whole vector stores.
 #pragma once
 
 #include "kvforge/abi.h"
@@ -29,12 +30,17 @@ constexpr int kMinBlocksPerSM = 2;  // caps registers at 128 so two blocks stay 
 // A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
 // (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default).
 
+// A transposed V (SHUFFLE) goes to the V loop from this many tokens on. Below, calls
+// are decodes whose slots are scattered, so every V value is its own store, and those
+// are best spread over the main loop's many lanes than over the V loop's few.
+constexpr int kVLoopMinTokens = 256;
+
 struct Dims {
+  int32_t main_kv_heads;      // K and V heads per token in the main loop: 2 nkv, or nkv when V is the V loop's
   int32_t lanes_per_token;    // main loop: heads handled per token * lanes per head
   int64_t tokens_per_pass;    // tokens the main loop's threads cover side by side
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
-  int64_t v_groups;           // aligned groups of slot_vec tokens the V loop visits
-  int32_t v_blocks;           // the first v_blocks blocks run the V loop, the rest the main loop
+  int64_t v_groups;           // groups of slot_vec tokens the V loop writes (the last may be partial)
 };
 
 // ---- element packing -----------------------------------------------------------------
@@ -129,10 +135,11 @@ KVF_DEVICE bool slot_ok(const kvf_cache_t& c, int64_t slot) {
   return slot >= 0 && slot < c.capacity;
 }
 
-template <class C, Scale S>
-KVF_DEVICE float inv_scale(const float* scale, uint32_t h) {
-  if constexpr (S == Scale::PerTensor) return 1.0f / scale[0];
-  else if constexpr (S == Scale::PerHead) return 1.0f / scale[h];
+// The cache scale of head h (1 without one).
+template <Scale S>
+KVF_DEVICE float scale_of(const float* scale, uint32_t h) {
+  if constexpr (S == Scale::PerTensor) return scale[0];
+  else if constexpr (S == Scale::PerHead) return scale[h];
   else return 1.0f;
 }
 
@@ -153,7 +160,7 @@ struct Fused {
 
   enum Kind { kQ, kK, kV, kIQ, kIK };
 
-  static int heads_main(int nq, int niq) { return nq + 2 * NKV + (kIndex ? niq + 1 : 0); }
+  static int heads_main(int nq, int niq, int main_kv) { return nq + main_kv + (kIndex ? niq + 1 : 0); }
 
   static KVF_DEVICE uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
@@ -260,12 +267,12 @@ struct Fused {
   }
 
   // K or V values (fp32) of one chunk into a KV cache, quantized as the variant says.
-  template <class C, Scale S>
-  static KVF_DEVICE void put_kv(const kvf_cache_t& c, const float* scale, int64_t slot, uint32_t h,
+  template <class C>
+  static KVF_DEVICE void put_kv(const kvf_cache_t& c, float inv, int64_t slot, uint32_t h,
                                 uint32_t d0, const float (&v)[kVec], const uint32_t (&model_bits)[4]) {
     if constexpr (kKvFp8) {
       uint32_t w[2];
-      pack_fp8<VT::kFp8, VT::kSaturateKv>(v, inv_scale<C, S>(scale, h), w);
+      pack_fp8<VT::kFp8, VT::kSaturateKv>(v, inv, w);
       store_dims<C>(c, slot, h, d0, w);
     } else {
       store_dims<C>(c, slot, h, d0, model_bits);
@@ -278,53 +285,49 @@ struct Fused {
     int kind, head;
   };
 
-  static KVF_DEVICE Role role_of(int hm, int nq, int niq) {
+  static KVF_DEVICE Role role_of(int hm, int nq, int niq, int main_kv) {
     if (hm < nq) return Role{kQ, hm};
     if (hm < nq + NKV) return Role{kK, hm - nq};
-    if (hm < nq + 2 * NKV) return Role{kV, hm - nq - NKV};
-    const int j = hm - nq - 2 * NKV;
+    if (hm < nq + main_kv) return Role{kV, hm - nq - NKV};
+    const int j = hm - nq - main_kv;
     return j < niq ? Role{kIQ, j} : Role{kIK, 0};
   }
 
-  // One token's inputs for a thread, as loaded.
-  struct Token {
-    uint4 x[2];
+  // The head of the qkv row that main-loop head hm reads (a row holds q, k, v, index_q,
+  // index_k heads in that order).
+  static KVF_DEVICE int row_head_of(int hm, int nq, int main_kv) {
+    return hm < nq + main_kv ? hm : hm + 2 * NKV - main_kv;
+  }
+
+  // One token's position, slot and cos/sin rows for a thread, as loaded (its row chunks
+  // are in the shared-memory ring of main_loop).
+  struct Meta {
     CosSinRaw cs;
-    int64_t t, pos, slot;
-    bool live;
+    int64_t pos, slot;
   };
 
-  // V group g is tokens [g*TG, g*TG + TG). It belongs to the V loop when its first slot
-  // s0 is TG-aligned and its last slot s_last is TG - 1 further on (two loads decide, so
-  // the main loop can ask cheaply). The V loop writes a group whose slots are all
-  // consecutive as whole vectors, any other of its groups value by value; the main loop
-  // writes the V of every token outside such groups.
-  static KVF_DEVICE bool v_owned(const kvf_args_t& a, int64_t s0, int64_t s_last) {
-    constexpr int TG = VT::V::kSlotVec;
-    return s0 >= 0 && s0 % TG == 0 && s0 + TG <= a.v_cache.capacity && s_last == s0 + TG - 1;
-  }
-
-  static KVF_DEVICE bool v_loop_owns(const kvf_args_t& a, int64_t v_tokens, int64_t g) {
-    constexpr int TG = VT::V::kSlotVec;
-    const int64_t t0 = g * TG;
-    return t0 + TG <= v_tokens && v_owned(a, a.slot_mapping[t0], a.slot_mapping[t0 + TG - 1]);
-  }
-
-  // A thread's tokens go through a pipeline: the row chunks, position and slot of a
-  // token load kDepth tokens ahead of its math, its cos/sin rows (which wait on the
-  // position) one token ahead where kDepth allows, so neither latency meets the math.
-  // Deeper costs registers and a longer start: the best depth depends on the shape.
+  // A thread's tokens go through a pipeline. Its two row chunks (the bulk of the bytes)
+  // are requested kDepth tokens ahead of its math into a ring in shared memory, by
+  // copies that hold no registers in flight, so the depth is bounded by shared memory
+  // rather than by the register budget. Position and slot come into registers up to two
+  // tokens ahead, the cos/sin rows (which wait on the position) one token ahead where
+  // the depth allows. Deeper costs a longer start: the best depth depends on the shape.
   template <int kDepth>
   static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block) {
-    constexpr int kCsAhead = kDepth >= 2 ? 1 : 0;
+    constexpr int kStages = kDepth + 1;  // the stage being read is never one being filled
+    constexpr int kMeta = kDepth < 2 ? kDepth : 2;
+    constexpr int kCsAhead = kMeta >= 2 ? 1 : 0;
+    static_assert(sizeof(float) * 4 * D + sizeof(uint4) * kStages * 2 * kBlock <= 48 * 1024,
+                  "static shared memory");
     __shared__ float norm_factors[4][D];
+    __shared__ uint4 rows[kStages][2][kBlock];  // [stage][chunk][thread]: no bank conflicts
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
     const bool idle = gid >= tpp * dims.lanes_per_token;  // whole head groups idle together
     const int within = static_cast<int>(gid % dims.lanes_per_token);
     const int lane = within % LANES;
-    const int row_head = within / LANES;
-    const Role r = role_of(row_head, a.num_heads, a.num_index_heads);
+    const Role r = role_of(within / LANES, a.num_heads, a.num_index_heads, dims.main_kv_heads);
+    const int row_head = row_head_of(within / LANES, a.num_heads, dims.main_kv_heads);
     const uint32_t d0[2] = {uint32_t(chunk_of(lane, 0) * kVec), uint32_t(chunk_of(lane, 1) * kVec)};
     const bool kv = r.kind == kK || r.kind == kV;
     const int64_t* slots = kv ? a.slot_mapping : a.index_slot_mapping;
@@ -333,26 +336,43 @@ struct Fused {
     const bool needs_cs = kAlignedHalves && r.kind != kV && lane < kRotLanes;
     const char* row0 = static_cast<const char*>(a.qkv) + (int64_t(row_head) * D + d0[0]) * 2;
     const int64_t gap = int64_t(d0[1] - d0[0]) * 2;
-    auto fetch = [&](Token& m, int64_t t) {
-      m.t = t;
-      m.live = !idle && t < a.num_tokens;
-      if constexpr (kVTransposed) {  // that token's V is the V loop's
-        if (r.kind == kV && m.live) m.live = !v_loop_owns(a, dims.v_tokens, t / VT::V::kSlotVec);
-      }
-      const char* p = row0 + t * a.qkv_row_stride * 2;
-      m.x[0] = m.live ? load16(p) : make_uint4(0u, 0u, 0u, 0u);
-      m.x[1] = m.live ? load16(p + gap) : make_uint4(0u, 0u, 0u, 0u);
-      m.pos = m.live && r.kind != kV ? a.positions[t] : 0;
-      m.slot = m.live && has_slot && t < nslots ? slots[t] : -1;
-    };
-    auto fetch_cos_sin = [&](Token& m) {
-      m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
-      m.cs = needs_cs && m.live && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, lane * kVec) : CosSinRaw{};
-    };
-    Token q[kDepth + 1];  // q[k]: the token k steps ahead of the one being computed
     const int64_t first = gid / dims.lanes_per_token;
+    // Copies go out only for tokens the loop processes, so none is still in flight when
+    // the thread returns.
+    int64_t t_req = first;
+    int stage_req = 0;
+    auto request_rows = [&]() {
+      if (!idle && t_req < a.num_tokens) {
+        const char* p = row0 + t_req * a.qkv_row_stride * 2;
+        copy_async16(&rows[stage_req][0][threadIdx.x], p);
+        copy_async16(&rows[stage_req][1][threadIdx.x], p + gap);
+      }
+      async_commit();  // one group per token, empty or not, so the waits count tokens
+      t_req += tpp;
+      stage_req = stage_req + 1 == kStages ? 0 : stage_req + 1;
+    };
+    auto fetch = [&](Meta& m, int64_t t) {
+      const bool live = !idle && t < a.num_tokens;
+      m.pos = live && r.kind != kV ? a.positions[t] : 0;
+      m.slot = live && has_slot && t < nslots ? slots[t] : -1;
+    };
+    auto fetch_cos_sin = [&](Meta& m) {
+      m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
+      m.cs = needs_cs && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, lane * kVec) : CosSinRaw{};
+    };
+    // Launched as a dependent of the previous kernel (see fused_kernel): the first global
+    // access. Everything above is arithmetic on the arguments, overlapping its tail.
+    wait_prior_grid();
 #pragma unroll
-    for (int k = 0; k < kDepth; ++k) fetch(q[k], first + k * tpp);
+    for (int k = 0; k < kDepth; ++k) request_rows();
+    Meta q[kMeta + 1];  // q[k]: the token k steps ahead of the one being computed
+#pragma unroll
+    for (int k = 0; k < kMeta; ++k) fetch(q[k], first + k * tpp);
+    // The thread's cache scale (its head is fixed), in flight beside the rows.
+    const float kv_scale = !kKvFp8 || idle ? 1.0f
+                         : r.kind == kK   ? scale_of<VT::kKvScale>(a.k_scale, r.head)
+                         : r.kind == kV   ? scale_of<VT::kKvScale>(a.v_scale, r.head)
+                                          : 1.0f;
     // The norms' per-dim factors (1 + w, or w) of q, k, index_q and index_k, shared by
     // the block (in registers they would cost residency); loaded while the first rows
     // are in flight, so a call with few tokens waits for memory only twice.
@@ -366,30 +386,36 @@ struct Fused {
     __syncthreads();
     if (idle) return;
     const float* wf = r.kind == kV ? nullptr : norm_factors[r.kind - (r.kind > kV)];
+    const float kv_inv = 1.0f / kv_scale;  // used only after the barrier: no wait before it
 #pragma unroll
     for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
+    int stage = 0;
     for (int64_t t = first; t < a.num_tokens; t += tpp) {
-      fetch(q[kDepth], t + kDepth * tpp);
+      request_rows();
+      fetch(q[kMeta], t + kMeta * tpp);
       fetch_cos_sin(q[kCsAhead]);
-      process(a, lane, r, d0, wf, q[0]);
+      async_wait<kDepth>();  // this token's group has landed
+      const uint4 x[2] = {rows[stage][0][threadIdx.x], rows[stage][1][threadIdx.x]};
+      process(a, lane, r, d0, wf, kv_inv, t, x, q[0]);
 #pragma unroll
-      for (int k = 0; k < kDepth; ++k) q[k] = q[k + 1];
+      for (int k = 0; k < kMeta; ++k) q[k] = q[k + 1];
+      stage = stage + 1 == kStages ? 0 : stage + 1;
     }
   }
 
-  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role,
-                                 const uint32_t (&d0)[2], const float* wf, const Token& m) {
-    const int64_t t = m.t, slot = m.slot;
+  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const uint32_t (&d0)[2],
+                                 const float* wf, float kv_inv, int64_t t, const uint4 (&x)[2], const Meta& m) {
+    const int64_t slot = m.slot;
     const int kind = role.kind, head = role.head;
     float f[2][kVec];
-    unpack8<M>(m.x[0], f[0]);
-    unpack8<M>(m.x[1], f[1]);
+    unpack8<M>(x[0], f[0]);
+    unpack8<M>(x[1], f[1]);
     if (kind == kV) {
-      if (!m.live || !slot_ok<typename VT::V>(a.v_cache, slot)) return;
+      if (!slot_ok<typename VT::V>(a.v_cache, slot)) return;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const uint32_t bits[4] = {m.x[i].x, m.x[i].y, m.x[i].z, m.x[i].w};
-        put_kv<typename VT::V, VT::kKvScale>(a.v_cache, a.v_scale, slot, head, d0[i], f[i], bits);
+        const uint32_t bits[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
+        put_kv<typename VT::V>(a.v_cache, kv_inv, slot, head, d0[i], f[i], bits);
       }
       return;
     }
@@ -410,7 +436,7 @@ struct Fused {
       for (int j = 0; j < kVec; ++j) n[i][j] = (f[i][j] * inv) * wf[d0[i] + j];
     }
     rope(m.cs, a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, n, y);
-    if (!m.live || m.pos < 0) return;
+    if (m.pos < 0) return;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       float r[kVec];
@@ -421,8 +447,7 @@ struct Fused {
         store_bytes<16>(dst, bits, 0);
       } else if (kind == kK) {
         if (slot_ok<typename VT::K>(a.k_cache, slot))
-          put_kv<typename VT::K, VT::kKvScale>(a.k_cache, a.k_scale, slot, head, d0[i],
-                                               VT::kRoundBeforeQuant ? r : y[i], bits);
+          put_kv<typename VT::K>(a.k_cache, kv_inv, slot, head, d0[i], VT::kRoundBeforeQuant ? r : y[i], bits);
       } else if (kind == kIQ) {
         char* base = static_cast<char*>(a.index_q_out);
         const int64_t e = (t * a.num_index_heads + head) * D + d0[i];
@@ -445,9 +470,10 @@ struct Fused {
     }
   }
 
-  // V for layouts whose 16-byte runs span tokens (SHUFFLE): a lane owns the TG tokens of
-  // one group (see v_owned) for one 8-dim chunk. When their slots are consecutive
-  // (a prefill run), each dim's TG values leave as one store; otherwise value by value.
+  // V for layouts whose 16-byte runs span tokens (SHUFFLE), all of it: a lane owns the
+  // TG tokens of one group for one 8-dim chunk. When their slots are one aligned run (a
+  // prefill), each dim's TG values leave as whole vector stores; otherwise (decode, the
+  // last group when partial) value by value.
   static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks) {
     using C = typename VT::V;
     constexpr int TG = C::kSlotVec, EB = C::kElemBytes;
@@ -462,27 +488,37 @@ struct Fused {
       const int64_t item = block + k * nblocks;
       if (item >= items) break;
       const uint32_t h = static_cast<uint32_t>(item % NKV);
-      const int64_t g = item / NKV;
-      // Whether the group is ours (see v_owned; g < v_groups keeps it in range)
-      // and whether all its slots are consecutive, the head's lanes checking a share
-      // each: all these loads go out together.
-      const int64_t t0 = g * TG;
-      const int64_t s0 = a.slot_mapping[t0], s_last = a.slot_mapping[t0 + TG - 1];
-      int run = 1;
-#pragma unroll
-      for (int k2 = lane; k2 < TG; k2 += LPH) run &= a.slot_mapping[t0 + k2] == s0 + k2;
-      if (!v_owned(a, s0, s_last)) continue;  // the main loop's (the same for the head's lanes)
-#pragma unroll
-      for (int sh = LPH / 2; sh >= 1; sh /= 2) run &= shfl_xor<LPH>(run, sh);
+      const int64_t t0 = item / NKV * TG;
+      const int n = dims.v_tokens - t0 < TG ? static_cast<int>(dims.v_tokens - t0) : TG;  // its tokens
       const int64_t col = int64_t(a.num_heads + NKV + h) * D + d0;
       // Tokens in chunks of at most 8 (16 FP8 tokens would hold 64 registers of rows).
-#pragma unroll
-      for (int c = 0; c < TG / CH; ++c) {
-        uint4 raw[CH];
+      uint4 raw[CH];
+      auto load_rows = [&](int c) {
 #pragma unroll
         for (int k2 = 0; k2 < CH; ++k2)
-          raw[k2] = load16(static_cast<const char*>(a.qkv) +
-                           ((g * TG + c * CH + k2) * a.qkv_row_stride + col) * 2);
+          raw[k2] = c * CH + k2 < n ? load16(static_cast<const char*>(a.qkv) +
+                                             ((t0 + c * CH + k2) * a.qkv_row_stride + col) * 2)
+                                    : make_uint4(0u, 0u, 0u, 0u);
+      };
+      // The group's slots, lane l holding those of tokens l, l + LPH, ..., and whether
+      // they are one aligned run; these loads and the first rows' go out together.
+      constexpr int kSlotsPerLane = (TG + LPH - 1) / LPH;
+      int64_t slot[kSlotsPerLane];
+      const int64_t s0 = a.slot_mapping[t0];
+      int run = n == TG && s0 >= 0 && s0 % TG == 0 && s0 + TG <= a.v_cache.capacity;
+#pragma unroll
+      for (int i = 0; i < kSlotsPerLane; ++i) {
+        const int k2 = lane + i * LPH;
+        slot[i] = k2 < n ? a.slot_mapping[t0 + k2] : -1;
+        run &= k2 >= TG || slot[i] == s0 + k2;
+      }
+      load_rows(0);
+#pragma unroll
+      for (int sh = LPH / 2; sh >= 1; sh /= 2) run &= shfl_xor<LPH>(run, sh);
+      const float inv = kKvFp8 ? 1.0f / scale_of<VT::kKvScale>(a.v_scale, h) : 1.0f;
+#pragma unroll
+      for (int c = 0; c < TG / CH; ++c) {
+        if (c > 0) load_rows(c);
         uint32_t w[CH][kWords];
 #pragma unroll
         for (int k2 = 0; k2 < CH; ++k2) {
@@ -490,7 +526,7 @@ struct Fused {
             float f[kVec];
             unpack8<M>(raw[k2], f);
             uint32_t q[2];
-            pack_fp8<VT::kFp8, VT::kSaturateKv>(f, inv_scale<C, VT::kKvScale>(a.v_scale, h), q);
+            pack_fp8<VT::kFp8, VT::kSaturateKv>(f, inv, q);
             w[k2][0] = q[0];
             w[k2][1] = q[1];
           } else {
@@ -514,10 +550,12 @@ struct Fused {
         } else {
 #pragma unroll
           for (int k2 = 0; k2 < CH; ++k2) {
-            const int64_t slot = a.slot_mapping[g * TG + c * CH + k2];  // rare path: read again
-            if (!slot_ok<C>(a.v_cache, slot)) continue;
-            const int64_t page = slot / C::kPageSize;
-            const uint32_t off = static_cast<uint32_t>(slot % C::kPageSize);
+            const int k = c * CH + k2;
+            if (k >= n) break;  // the same for the head's lanes
+            const int64_t s = shfl<LPH>(slot[k / LPH], k % LPH);
+            if (!slot_ok<C>(a.v_cache, s)) continue;
+            const int64_t page = s / C::kPageSize;
+            const uint32_t off = static_cast<uint32_t>(s % C::kPageSize);
 #pragma unroll
             for (int j = 0; j < kVec; ++j)
               store_bytes<EB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, w[k2], j * EB);
@@ -531,30 +569,28 @@ struct Fused {
 template <class VT, int kDepth>
 __global__ void __launch_bounds__(kBlock, kMinBlocksPerSM) fused_kernel(const KVF_GRID_CONSTANT kvf_args_t a,
                                                        const Dims dims) {
-  // Launched as a dependent of the previous kernel: nothing above this line may read
-  // or write global memory. The next launch may begin now; it waits for this grid.
-  wait_prior_grid();
+  // Launched as a dependent of the previous kernel: main_loop calls wait_prior_grid()
+  // before its first global access (every thread, before the V loop too). The next
+  // launch may begin now; it waits for this grid.
   allow_next_grid();
-  // Separate blocks for the two loops, so V's loads and stores run beside the heads'
-  // instead of after them.
   const int block = static_cast<int>(blockIdx.x);
-  if constexpr (Fused<VT>::kVTransposed) {
-    if (block < dims.v_blocks) {
-      Fused<VT>::v_loop(a, dims, block, dims.v_blocks);
-      return;
-    }
-  }
-  Fused<VT>::template main_loop<kDepth>(a, dims, block - dims.v_blocks);
+  Fused<VT>::template main_loop<kDepth>(a, dims, block);
+  // Every thread then takes its share of the V loop, so that work (a few percent of
+  // the bytes, but more instructions and round trips per byte) has the whole GPU and
+  // starts wherever the main loop finishes first: blocks of its own, sized by bytes,
+  // finished last (measured in benchmarks/NOTES.md).
+  if constexpr (Fused<VT>::kVTransposed) Fused<VT>::v_loop(a, dims, block, static_cast<int>(gridDim.x));
 }
 
 template <class VT, int kDepth>
 int launch_at_depth(const kvf_args_t* a, void* stream) {
   using F = Fused<VT>;
   Dims dims;
-  dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads) * F::LANES;
+  const bool v_loop = F::kVTransposed && a->num_tokens >= kVLoopMinTokens;
+  dims.main_kv_heads = v_loop ? F::NKV : 2 * F::NKV;
+  dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads, dims.main_kv_heads) * F::LANES;
   dims.v_tokens = a->num_slots < a->num_tokens ? a->num_slots : a->num_tokens;
-  dims.v_groups = 0;
-  if constexpr (F::kVTransposed) dims.v_groups = dims.v_tokens / VT::V::kSlotVec;
+  dims.v_groups = v_loop ? (dims.v_tokens + VT::V::kSlotVec - 1) / VT::V::kSlotVec : 0;
   // One wave of resident blocks at most; the main loop's threads then stride over the
   // tokens. While the work fits, a lane per 32 bytes of a token (few tokens: the most
   // parallelism).
@@ -573,24 +609,12 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
   }
   const int64_t cap = int64_t(dev < 64 && sm_count[dev] ? sm_count[dev] : 132) * (per_sm > 0 ? per_sm : 1);
   const int64_t total_main = int64_t(a->num_tokens) * dims.lanes_per_token;
-  const int64_t total_v = dims.v_groups * F::NKV * F::LPH;
-  int64_t main_blocks = (total_main + kBlock - 1) / kBlock;
-  int64_t v_blocks = (total_v + kBlock - 1) / kBlock;
-  if (main_blocks + v_blocks > cap) {
-    // Split the wave by 16-byte rows moved: a V lane carries slot_vec tokens of one,
-    // a main-loop lane two per token.
-    const double v_work = double(total_v) * VT::V::kSlotVec;
-    const double share = v_work / (v_work + 2.0 * double(total_main));
-    v_blocks = v_blocks ? static_cast<int64_t>(share * cap + 0.5) : 0;
-    if (total_v && v_blocks < 1) v_blocks = 1;
-    main_blocks = cap - v_blocks;
-  }
+  int64_t blocks = (total_main + kBlock - 1) / kBlock;
+  if (blocks > cap) blocks = cap;
   // Every main-loop thread keeps one head lane; at least one token's worth of them.
-  const int64_t min_main = (dims.lanes_per_token + kBlock - 1) / kBlock;
-  if (main_blocks < min_main) main_blocks = min_main;
-  dims.tokens_per_pass = main_blocks * kBlock / dims.lanes_per_token;
-  dims.v_blocks = static_cast<int32_t>(v_blocks);
-  const int64_t blocks = main_blocks + v_blocks;
+  const int64_t min_blocks = (dims.lanes_per_token + kBlock - 1) / kBlock;
+  if (blocks < min_blocks) blocks = min_blocks;
+  dims.tokens_per_pass = blocks * kBlock / dims.lanes_per_token;
   return int(launch_kernel(fused_kernel<VT, kDepth>, static_cast<unsigned>(blocks), kBlock,
                            static_cast<hipStream_t>(stream), dependent_launch_supported(dev), *a, dims));
 }

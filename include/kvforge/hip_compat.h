@@ -68,8 +68,8 @@ KVF_DEVICE T shfl_xor(T v, int lane_mask) {
 #endif
 }
 
-template <int Width>
-KVF_DEVICE float shfl(float v, int src_lane) {
+template <int Width, class T>
+KVF_DEVICE T shfl(T v, int src_lane) {
 #ifdef KVF_CUDA
   return __shfl_sync(group_mask<Width>(), v, src_lane, Width);
 #else
@@ -130,6 +130,35 @@ hipError_t launch_kernel(void (*kernel)(P...), unsigned blocks, unsigned threads
 #endif
   kernel<<<blocks, threads, 0, stream>>>(static_cast<A&&>(args)...);
   return hipGetLastError();
+}
+
+// ---- asynchronous copies into shared memory (NVIDIA sm_80+) ---------------------------
+// copy_async16 starts a 16-byte copy from global to shared memory that holds no register
+// while in flight (cp.async, L1 bypassed: the rows are read once). async_commit() closes
+// this thread's group of copies; async_wait<N>() returns once at most N of its groups
+// are still in flight, and the thread may then read what the finished ones wrote.
+// Elsewhere the copy is a plain load and store, done when it returns, and the other two
+// do nothing.
+KVF_DEVICE void copy_async16(void* dst_shared, const void* src) {
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#else
+  *static_cast<uint4*>(dst_shared) = *static_cast<const uint4*>(src);
+#endif
+}
+
+KVF_DEVICE void async_commit() {
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int N>
+KVF_DEVICE void async_wait() {
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
 }
 
 // ---- bit casts -----------------------------------------------------------------------
