@@ -1,10 +1,12 @@
 """Every variant in variants.yaml against the reference on the GPU (SPEC §6)."""
+import re
 import zlib
 
 import pytest
 import torch
 
 from codegen.model import IndexMode
+from codegen.paths import INCLUDE
 from runtime import build, fused_qknorm_rope_cache, toolchain
 from runtime.abi import MAX_PIPELINE_DEPTH
 from runtime.api import launch_at_depth
@@ -13,14 +15,17 @@ from runtime.testing import check_against_reference, make_inputs, poison, with_o
 
 pytestmark = pytest.mark.gpu
 VARIANTS = spec().variants
+# From this many tokens on, a transposed V (SHUFFLE) is written by the kernel's V loop.
+V_LOOP_MIN_TOKENS = int(re.search(r"constexpr int kVLoopMinTokens = (\d+);",
+                                  (INCLUDE / "kvforge" / "fused_qknorm_rope_cache.cuh").read_text())[1])
 
 # (tokens, q heads, index heads, slots, padded tokens, extra options)
 CASES = [
     pytest.param(1, 8, 2, "decode", 0, {}, id="t1-decode"),
     pytest.param(7, 8, 2, "prefill", 2, {"page_stride_pad": 1}, id="t7-prefill-pad-strided"),
     pytest.param(33, 16, 1, "random", 3, {"cos_sin": "random"}, id="t33-shuffled-randcs"),
-    # past the SHUFFLE V loop's threshold (256 tokens) with scattered slots: every group by value
-    pytest.param(300, 8, 2, "random", 4, {}, id="t300-shuffled"),
+    # past the SHUFFLE V loop's threshold with scattered slots: every group by value
+    pytest.param(V_LOOP_MIN_TOKENS + 44, 8, 2, "random", 4, {}, id="past-v-loop-threshold-shuffled"),
     pytest.param(1000, 8, 4, "prefill", 0, {"num_slots": 990, "extra_pages": 0}, id="t1000-short-slots"),
     pytest.param(64, 64, 4, "decode", 5, {"extra_pages": 0}, id="t64-tp1-decode"),
 ]
@@ -209,15 +214,15 @@ def test_vllm_nhd_views_unbound_from_one_allocation():
     check_against_reference(args, fused_qknorm_rope_cache)
 
 
-@pytest.mark.parametrize("v_loop", [False, True], ids=["main-loop", "v-loop"])
+@pytest.mark.parametrize("tokens", [V_LOOP_MIN_TOKENS - 1, V_LOOP_MIN_TOKENS], ids=["main-loop", "v-loop"])
 @pytest.mark.parametrize("kv_scale", ["none", "per_tensor"])
-def test_shuffle_v_groups_that_are_almost_runs(kv_scale, v_loop):
-    """SHUFFLE's V loop (from 256 tokens on; below, the main loop writes V) stores a
-    group as vectors when its slots are one aligned run; a group whose middle is out of
-    order must still land value by value."""
+def test_shuffle_v_groups_that_are_almost_runs(kv_scale, tokens):
+    """SHUFFLE's V loop (from V_LOOP_MIN_TOKENS tokens on; one token fewer and the main
+    loop writes V) stores a group as vectors when its slots are one aligned run; a group
+    whose middle is out of order must still land value by value."""
     v = _seed_variant(kv_scale=kv_scale, fp8="e4m3fn") if kv_scale != "none" else _seed_variant()
     tg = 16 if kv_scale != "none" else 8
-    args = make_inputs(v, 300 if v_loop else 4 * tg, 8, 2, slots="prefill", device="cuda", seed=10)
+    args = make_inputs(v, tokens, 8, 2, slots="prefill", device="cuda", seed=10)
     sm = args["slot_mapping"]
     sm[1], sm[2] = sm[2].clone(), sm[1].clone()            # group 0: middle swapped
     sm[tg + 3] = -1                                         # group 1: a padded token inside

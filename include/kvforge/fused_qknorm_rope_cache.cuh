@@ -351,6 +351,9 @@ struct Fused {
       t_req += tpp;
       stage_req = stage_req + 1 == kStages ? 0 : stage_req + 1;
     };
+    // A stage is refilled one iteration after the thread read it; those reads have been
+    // consumed by then (the norm's shuffles, the stores) or are never used, so the copy
+    // cannot overtake one that matters.
     auto fetch = [&](Meta& m, int64_t t) {
       const bool live = !idle && t < a.num_tokens;
       m.pos = live && r.kind != kV ? a.positions[t] : 0;
@@ -369,10 +372,10 @@ struct Fused {
 #pragma unroll
     for (int k = 0; k < kMeta; ++k) fetch(q[k], first + k * tpp);
     // The thread's cache scale (its head is fixed), in flight beside the rows.
-    const float kv_scale = !kKvFp8 || idle ? 1.0f
-                         : r.kind == kK   ? scale_of<VT::kKvScale>(a.k_scale, r.head)
-                         : r.kind == kV   ? scale_of<VT::kKvScale>(a.v_scale, r.head)
-                                          : 1.0f;
+    const float kv_scale = idle          ? 1.0f
+                         : r.kind == kK ? scale_of<VT::kKvScale>(a.k_scale, r.head)
+                         : r.kind == kV ? scale_of<VT::kKvScale>(a.v_scale, r.head)
+                                        : 1.0f;
     // The norms' per-dim factors (1 + w, or w) of q, k, index_q and index_k, shared by
     // the block (in registers they would cost residency); loaded while the first rows
     // are in flight, so a call with few tokens waits for memory only twice.
@@ -577,8 +580,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksPerSM) fused_kernel(const KV
   Fused<VT>::template main_loop<kDepth>(a, dims, block);
   // Every thread then takes its share of the V loop, so that work (a few percent of
   // the bytes, but more instructions and round trips per byte) has the whole GPU and
-  // starts wherever the main loop finishes first: blocks of its own, sized by bytes,
-  // finished last (measured in benchmarks/NOTES.md).
+  // starts wherever the main loop finishes first. (Blocks of its own, sized by bytes,
+  // finished last: benchmarks/NOTES.md.)
   if constexpr (Fused<VT>::kVTransposed) Fused<VT>::v_loop(a, dims, block, static_cast<int>(gridDim.x));
 }
 

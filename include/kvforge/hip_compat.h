@@ -138,7 +138,8 @@ hipError_t launch_kernel(void (*kernel)(P...), unsigned blocks, unsigned threads
 // this thread's group of copies; async_wait<N>() returns once at most N of its groups
 // are still in flight, and the thread may then read what the finished ones wrote.
 // Elsewhere the copy is a plain load and store, done when it returns, and the other two
-// do nothing.
+// do nothing: correct, but the copies no longer overlap the math (see benchmarks/NOTES.md
+// on AMD).
 KVF_DEVICE void copy_async16(void* dst_shared, const void* src) {
 #if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_shared));
