@@ -30,9 +30,10 @@ constexpr int kMinBlocksPerSM = 2;  // caps registers at 128 so two blocks stay 
 // A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
 // (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default).
 
-// A transposed V (SHUFFLE) goes to the V loop from this many tokens on. Below, calls
-// are decodes whose slots are scattered, so every V value is its own store, and those
-// are best spread over the main loop's many lanes than over the V loop's few.
+// A transposed V (SHUFFLE) goes to the V loop from this many tokens on. Shorter calls
+// are mostly decodes with scattered slots, where every V value is its own store, best
+// spread over the main loop's many lanes than over the V loop's few (a short prefill
+// only loses its whole-vector V stores). Measured in benchmarks/NOTES.md.
 constexpr int kVLoopMinTokens = 256;
 
 struct Dims {
