@@ -91,8 +91,12 @@ def copy_bandwidth(nbytes: int = 2 * 2 ** 30) -> float:
     return 2 * nbytes / ms / 1e6  # GB/s, read + write
 
 
-def graph_us(calls: list, reps: int = 7) -> float:
-    """GPU µs per call: one CUDA graph of `calls` back to back, median over replays."""
+def graph_us(calls: list, reps: int = 7, warmup_ms: float = 100.0) -> float:
+    """GPU µs per call: one CUDA graph of `calls` back to back, median over replays.
+
+    Replays for `warmup_ms` before timing: right after the reference check (GBs of
+    temporaries allocated and freed), the first ~50 ms of replays ran 8-11% slower at
+    65536 tokens than the same graph later (benchmarks/NOTES.md)."""
     for c in calls[:2]:
         c()
     torch.cuda.synchronize()
@@ -100,8 +104,9 @@ def graph_us(calls: list, reps: int = 7) -> float:
     with torch.cuda.graph(g):
         for c in calls:
             c()
-    g.replay()
-    torch.cuda.synchronize()
+    first = events_ms(g.replay, 1)[0]
+    for _ in range(min(1000, int(warmup_ms / max(first, 1e-3)))):
+        g.replay()
     return statistics.median(events_ms(g.replay, reps)) * 1e3 / len(calls)
 
 

@@ -1,6 +1,6 @@
 """Tune the main loop's pipeline depth per variant and token range on this GPU.
 
-    python benchmarks/tune.py [--name h200] [--tokens 1,16,128,1024,8192,32768] [--all]
+    python benchmarks/tune.py [--name h200] [--tokens 1,16,128,1024,8192,32768,65536] [--all]
 
 For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
 variant in variants.yaml) and token count, every depth a library holds
@@ -73,7 +73,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="h200", help="writes tuning/<name>.json")
     ap.add_argument("--out", default=str(TUNED))
-    ap.add_argument("--tokens", default="1,16,128,1024,8192,32768")
+    ap.add_argument("--tokens", default="1,16,128,1024,8192,32768,65536")
     ap.add_argument("--all", action="store_true", help="every listed variant, not only the benchmark's")
     args = ap.parse_args()
     if args.all:

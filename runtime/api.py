@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
-import struct
 from typing import Callable, Optional
 
 import torch
@@ -88,7 +87,9 @@ def _args(plan: _Plan, t: reference.Tensors) -> Args:
 
 def _launch(launch: Callable, args, device_index: int) -> None:
     """launch(args, stream) on torch's current stream of that device."""
-    if device_index != torch.cuda.current_device():
+    # The tensors are on that device, so CUDA is initialized: read the current device
+    # without torch.cuda.current_device()'s lazy-init check (~1 µs per call).
+    if device_index != torch._C._cuda_getDevice():
         with torch.cuda.device(device_index):
             launch(args, _current_stream(device_index))
     else:
@@ -100,12 +101,11 @@ class _Bound:
     change while the arguments' dtypes, shapes, strides, devices and alignments do not.
     Per call only the data pointers are filled in, as 64-bit words of the packed Args."""
 
-    __slots__ = ("plan", "packer", "words", "slots", "device_index")
+    __slots__ = ("launch_packed", "template", "slots", "device_index")
 
     def __init__(self, plan: _Plan, a: Args, device_index: int, slots: list) -> None:
-        self.plan, self.device_index, self.slots = plan, device_index, slots
-        self.packer = struct.Struct(f"<{ctypes.sizeof(Args) // 8}Q")
-        self.words = self.packer.unpack(bytes(a))
+        self.launch_packed, self.device_index, self.slots = plan.lib.launch_packed, device_index, tuple(slots)
+        self.template = bytes(a)
 
     @staticmethod
     def of(plan: _Plan, a: Args, t: reference.Tensors, argv: tuple) -> Optional["_Bound"]:
@@ -121,10 +121,11 @@ class _Bound:
         return _Bound(plan, a, t.qkv.device.index, slots)
 
     def launch(self, ptrs: list) -> None:
-        words = list(self.words)
+        packed = bytearray(self.template)
+        words = memoryview(packed).cast("Q")
         for w, i in self.slots:
             words[w] = ptrs[i]
-        _launch(self.plan.lib.launch_packed, self.packer.pack(*words), self.device_index)
+        _launch(self.launch_packed, bytes(packed), self.device_index)
 
 
 # Byte offsets in Args of each data pointer, by the Tensors attribute it comes from.

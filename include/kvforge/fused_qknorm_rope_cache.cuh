@@ -26,7 +26,12 @@ enum class Scale { None, Unit, PerTensor, PerHead };
 
 constexpr int kVec = 8;       // model-dtype elements per chunk (16 bytes); a lane holds two
 constexpr int kBlock = 256;
-constexpr int kMinBlocksPerSM = 2;  // caps registers at 128 so two blocks stay resident
+// Resident blocks per SM the register cap keeps, by pipeline depth. Depth 1 is capped
+// at 80 registers (three blocks of 256 threads): its fewer bytes in flight per thread
+// need more threads, and the cap spills at most a few words (FP8) while the variants with
+// fp32 cos/sin gain 4-8% at 8192+ tokens. Deeper kernels keep 128 (two blocks): capping
+// them spilled heavily and lost 40-50% (benchmarks/NOTES.md).
+constexpr int min_blocks_per_sm(int depth) { return depth == 1 ? 3 : 2; }
 // A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
 // (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default).
 
@@ -571,8 +576,8 @@ struct Fused {
 };
 
 template <class VT, int kDepth>
-__global__ void __launch_bounds__(kBlock, kMinBlocksPerSM) fused_kernel(const KVF_GRID_CONSTANT kvf_args_t a,
-                                                       const Dims dims) {
+__global__ void __launch_bounds__(kBlock, min_blocks_per_sm(kDepth))
+    fused_kernel(const KVF_GRID_CONSTANT kvf_args_t a, const Dims dims) {
   // Launched as a dependent of the previous kernel: main_loop calls wait_prior_grid()
   // before its first global access (every thread, before the V loop too). The next
   // launch may begin now; it waits for this grid.
