@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.unfused import layouts, unfused  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from codegen.model import IndexMode  # noqa: E402
-from runtime import build, fused_qknorm_rope_cache, toolchain, tuning  # noqa: E402
+from runtime import build, dispatch, fused_qknorm_rope_cache, toolchain, tuning  # noqa: E402
 from runtime.abi import KernelLibrary  # noqa: E402
 from runtime.registry import source_of, spec  # noqa: E402
 from runtime.testing import check_against_reference, make_inputs, with_outputs  # noqa: E402
@@ -160,19 +160,26 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
     return rec
 
 
-def host_overhead_us(v) -> float:
-    """Python time per eager call (validation, signature, ctypes launch), GPU not the limit."""
-    args = with_outputs(make_inputs(v, 1, *TP[8][::2], slots="decode", device="cuda", seed=0))
+def _host_us(fn, n: int = 2000) -> float:
     for _ in range(50):
-        fused_qknorm_rope_cache(**args)
+        fn()
     torch.cuda.synchronize()
-    n = 2000
     t0 = time.perf_counter()
     for _ in range(n):
-        fused_qknorm_rope_cache(**args)
+        fn()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) / n * 1e6
+
+
+def host_overhead(v) -> dict:
+    """Host time per eager call of a signature validated before (the GPU is not the limit),
+    which signature table served it, and torch's own one-element add_ on the same CPU."""
+    args = with_outputs(make_inputs(v, 1, *TP[8][::2], slots="decode", device="cuda", seed=0))
+    us = _host_us(lambda: fused_qknorm_rope_cache(**args))
+    x = torch.zeros(1, device="cuda")
+    return {"host_overhead_us": us, "host_dispatch": type(dispatch.table()).__name__,
+            "host_torch_add_us": _host_us(lambda: x.add_(1))}
 
 
 def build_costs(variants) -> dict:
@@ -223,7 +230,7 @@ def main() -> int:
         "command": "python benchmarks/bench.py " + " ".join(sys.argv[1:]),
         "timing": "CUDA-graph replay of calls_per_graph back-to-back calls rotating input_sets "
                   "sets; median of replays; us_event_per_call = CUDA events around one eager call",
-        "host_overhead_us": host_overhead_us(next(iter(variants.values()))),
+        **host_overhead(next(iter(variants.values()))),
         "build": build_costs(sorted({v for v in variants.values()}, key=lambda v: v.uri)[:4]),
         "records": [],
     }

@@ -67,9 +67,6 @@ class KernelLibrary:
         self._launch = self.lib.kvf_launch
         self._launch.restype = ctypes.c_int
         self._launch.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p]
-        self._launch_packed = self.lib["kvf_launch"]  # a second prototype of the same symbol
-        self._launch_packed.restype = ctypes.c_int
-        self._launch_packed.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
         version = self.lib.kvf_abi_version()
         if version != ABI_VERSION:
             raise OSError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
@@ -78,14 +75,16 @@ class KernelLibrary:
             raise OSError(f"{path}: holds variant {got}, expected {uri}")
         self.uri = uri
 
+    @property
+    def launch_address(self) -> int:
+        """The address of `kvf_launch(const kvf_args_t*, void* stream)`, for runtime/dispatch."""
+        return ctypes.cast(self.lib.kvf_launch, ctypes.c_void_p).value
+
     def launch(self, args: Args, stream: int) -> None:
-        self._check(self._launch(ctypes.byref(args), stream))
+        self.check(self._launch(ctypes.byref(args), stream))
 
-    def launch_packed(self, args: bytes, stream: int) -> None:
-        """`launch` with the arguments as the bytes of an Args (no ctypes object built)."""
-        self._check(self._launch_packed(args, stream))
-
-    def _check(self, code: int) -> None:
+    def check(self, code: int) -> None:
+        """Raise for a launch's nonzero return code."""
         if code != 0:
             raise RuntimeError(f"kvforge kernel {self.uri} failed to launch: "
                                f"{self.lib.kvf_error_string(code).decode()} ({code})")

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import reference, tuning
+from . import dispatch, reference, tuning
 from .abi import Args, CacheArg
 from .registry import REGISTRY
 from .validate import check, check_ranges
@@ -96,46 +96,25 @@ def _launch(launch: Callable, args, device_index: int) -> None:
         launch(args, _current_stream(device_index))
 
 
-class _Bound:
-    """A call signature that passed validation: everything a launch needs that does not
-    change while the arguments' dtypes, shapes, strides, devices and alignments do not.
-    Per call only the data pointers are filled in, as 64-bit words of the packed Args."""
-
-    __slots__ = ("launch_packed", "template", "slots", "device_index")
-
-    def __init__(self, plan: _Plan, a: Args, device_index: int, slots: list) -> None:
-        self.launch_packed, self.device_index, self.slots = plan.lib.launch_packed, device_index, tuple(slots)
-        self.template = bytes(a)
-
-    @staticmethod
-    def of(plan: _Plan, a: Args, t: reference.Tensors, argv: tuple) -> Optional["_Bound"]:
-        """None unless every tensor the kernel gets is one of the arguments as passed."""
-        slots = []  # (word of Args, index of the argument holding that tensor)
-        for name, offset in _POINTER_OFFSETS:
-            obj = getattr(t, name)
-            if obj is not None:
-                i = next((i for i, x in enumerate(argv) if x is obj), None)
-                if i is None:
-                    return None
-                slots.append((offset // 8, i))
-        return _Bound(plan, a, t.qkv.device.index, slots)
-
-    def launch(self, ptrs: list) -> None:
-        packed = bytearray(self.template)
-        words = memoryview(packed).cast("Q")
-        for w, i in self.slots:
-            words[w] = ptrs[i]
-        _launch(self.launch_packed, bytes(packed), self.device_index)
+def _bind(plan: _Plan, a: Args, t: reference.Tensors, argv: tuple) -> None:
+    """Remember a validated call in the signature table, unless some tensor the kernel
+    gets is not one of the arguments as passed (then it is validated every time)."""
+    slots = []  # (word of Args, index of the argument holding that tensor)
+    for name, offset in _POINTER_OFFSETS:
+        obj = getattr(t, name)
+        if obj is not None:
+            i = next((i for i, x in enumerate(argv) if x is obj), None)
+            if i is None:
+                return
+            slots.append((offset // 8, i))
+    dispatch.bind(argv, bytes(a), tuple(slots), plan.lib.launch_address, t.qkv.device.index,
+                  plan.lib.check)
 
 
 # Byte offsets in Args of each data pointer, by the Tensors attribute it comes from.
 _POINTER_OFFSETS = tuple((name, getattr(Args, field).offset) for field, name in _POINTERS) + tuple(
     (field, getattr(Args, field).offset + CacheArg.data.offset) for field, _ in _CACHES)
 assert ctypes.sizeof(Args) % 8 == 0 and all(off % 8 == 0 for _, off in _POINTER_OFFSETS)
-
-
-_BOUND: dict = {}  # argument signature -> _Bound, oldest first
-_MAX_BOUND = 4096
 
 
 def _prepared(variant, t: reference.Tensors) -> tuple[_Plan, Args, int]:
@@ -158,20 +137,6 @@ def launch_at_depth(depth: int, **kwargs) -> Callable[[], None]:
     return functools.partial(_launch, plan.lib.launch, a, device_index)
 
 
-def _signature(argv: tuple) -> tuple[tuple, list]:
-    """What validation depends on, and the data pointers (their alignment is part of it)."""
-    key, ptrs = [], []
-    for x in argv:
-        if isinstance(x, Tensor):
-            p = x.data_ptr()
-            key.append((x.dtype, x.shape, x.stride(), x.device, p & 15))
-            ptrs.append(p)
-        else:
-            key.append((type(x), x))
-            ptrs.append(None)
-    return tuple(key), ptrs
-
-
 def _impl(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, slot_mapping: Tensor,
           k_cache: Optional[Tensor], v_cache: Optional[Tensor], kv_cache: Optional[Tensor],
           q_norm_weight: Tensor, k_norm_weight: Tensor, index_q_norm_weight: Optional[Tensor],
@@ -189,17 +154,10 @@ def _impl(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, slot_mapping: T
 
 def _run(argv: tuple, checked: bool, force_reference: bool) -> None:
     # The common case: a signature validated before (no range checks asked) launches
-    # without validating again; anything new or unusual takes the full path below.
+    # without validating again (runtime/dispatch); anything new takes the full path below.
     fast = not checked and not force_reference
-    if fast:
-        try:
-            key, ptrs = _signature(argv)
-            bound = _BOUND.get(key)
-        except (TypeError, RuntimeError):  # unhashable, or a tensor without a data pointer
-            key = bound = None              # (sparse, meta): validation will say what is wrong
-        if bound is not None:
-            bound.launch(ptrs)
-            return
+    if fast and dispatch.launch(argv):
+        return
     variant, t = check(**dict(zip(_ARG_NAMES, argv)))
     if checked:
         check_ranges(variant, t)
@@ -210,11 +168,8 @@ def _run(argv: tuple, checked: bool, force_reference: bool) -> None:
         return
     plan, a, device_index = _prepared(variant, t)
     _launch(plan.lib.launch, a, device_index)
-    bound = _Bound.of(plan, a, t, argv) if fast and key is not None else None
-    if bound is not None:
-        if len(_BOUND) >= _MAX_BOUND:  # shapes vary with the token count: drop the oldest
-            _BOUND.pop(next(iter(_BOUND)), None)
-        _BOUND[key] = bound
+    if fast:
+        _bind(plan, a, t, argv)
 
 
 _OP = "kvforge::fused_qknorm_rope_cache"

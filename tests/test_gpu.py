@@ -143,6 +143,26 @@ def test_back_to_back_calls_read_what_the_previous_one_wrote(graph):
                                       f"first at {bad[:4].tolist()} last {bad[-1:].tolist()}")
 
 
+def test_a_signature_validated_before_launches_from_the_table(monkeypatch):
+    """The second call of a signature is not validated again; it writes with its own
+    tensors' pointers, as the reference says."""
+    import runtime.api
+
+    v = _seed_variant()
+    fused_qknorm_rope_cache(**with_outputs(make_inputs(v, 16, 8, 2, slots="decode", device="cuda", seed=1)))
+
+    check = runtime.api.check
+
+    def validated(**kwargs):  # the reference (on the CPU) still validates its calls
+        assert kwargs["qkv"].device.type == "cpu", "a signature validated before was validated again"
+        return check(**kwargs)
+
+    monkeypatch.setattr(runtime.api, "check", validated)
+    for seed in (2, 3):
+        check_against_reference(make_inputs(v, 16, 8, 2, slots="decode", device="cuda", seed=seed),
+                                fused_qknorm_rope_cache)
+
+
 def test_a_signature_validated_before_still_rejects_bad_calls():
     """After a good call, calls that differ only in what validation checks still raise
     before launching, and checked mode still reads the ranges."""
