@@ -9,8 +9,8 @@
 // RoPE partner where the rotary halves allow), so one head of D dims is D/16 adjacent
 // lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction is
 // a shuffle butterfly inside the group. A main-loop thread keeps one head lane for
-// every token it visits and copies the next tokens' rows into shared memory while
-// computing the current. V of a layout that scatters one token's dims (SHUFFLE) goes,
+// every token it visits and requests the next tokens' rows (RowPipe) while computing
+// the current. V of a layout that scatters one token's dims (SHUFFLE) goes,
 // from kVLoopMinTokens tokens on, to a second loop every thread runs after the main
 // one, in which a lane owns `slot_vec` consecutive tokens of one dim chunk and, for
 // prefill runs, transposes them in registers into whole vector stores.
@@ -148,6 +148,59 @@ KVF_DEVICE float scale_of(const float* scale, uint32_t h) {
   else if constexpr (S == Scale::PerHead) return scale[h];
   else return 1.0f;
 }
+
+// A thread's two 16-byte row chunks per token, requested kDepth tokens ahead of its
+// math: fill(k, ...) loads those of the token k steps ahead (the prologue's k = 0..
+// kDepth-1, then kDepth in each iteration) and close() ends every token's request;
+// front() gives the token being computed, pop() ends its iteration.
+// With asynchronous copies (NVIDIA sm_80+) the chunks wait in a shared-memory ring of
+// kDepth + 1 stages and hold no registers in flight; a stage is refilled one iteration
+// after its reads were consumed (the norm's shuffles, the stores) or never used, so no
+// copy overtakes a read that matters. Elsewhere (AMD, whose copy into LDS is a load and
+// then a store, so it would wait for each row) they wait in registers, a FIFO shifted
+// at pop(): a load stays in flight through at least one token's math.
+template <int kDepth>
+struct RowPipe {
+#if KVF_ASYNC_COPY
+  using Ring = uint4[kDepth + 1][2][kBlock];  // [stage][chunk][thread]: no bank conflicts
+  Ring& ring;
+  int put = 0, get = 0;
+
+  KVF_DEVICE void fill(int, const char* p, int64_t gap) {
+    copy_async16(&ring[put][0][threadIdx.x], p);
+    copy_async16(&ring[put][1][threadIdx.x], p + gap);
+  }
+  KVF_DEVICE void close() {
+    async_commit();  // one group per token, filled or not, so the waits count tokens
+    put = put + 1 == kDepth + 1 ? 0 : put + 1;
+  }
+  KVF_DEVICE void front(uint4 (&x)[2]) {
+    async_wait<kDepth>();  // this token's group has landed
+    x[0] = ring[get][0][threadIdx.x];
+    x[1] = ring[get][1][threadIdx.x];
+  }
+  KVF_DEVICE void pop() { get = get + 1 == kDepth + 1 ? 0 : get + 1; }
+#else
+  uint4 fifo[kDepth + 1][2];  // fifo[k]: the token k steps ahead of the one computed
+
+  KVF_DEVICE void fill(int k, const char* p, int64_t gap) {
+    fifo[k][0] = *reinterpret_cast<const uint4*>(p);
+    fifo[k][1] = *reinterpret_cast<const uint4*>(p + gap);
+  }
+  KVF_DEVICE void close() {}
+  KVF_DEVICE void front(uint4 (&x)[2]) {
+    x[0] = fifo[0][0];
+    x[1] = fifo[0][1];
+  }
+  KVF_DEVICE void pop() {
+#pragma unroll
+    for (int k = 0; k < kDepth; ++k) {
+      fifo[k][0] = fifo[k + 1][0];
+      fifo[k][1] = fifo[k + 1][1];
+    }
+  }
+#endif
+};
 
 template <class VT>
 struct Fused {
@@ -313,20 +366,24 @@ struct Fused {
   };
 
   // A thread's tokens go through a pipeline. Its two row chunks (the bulk of the bytes)
-  // are requested kDepth tokens ahead of its math into a ring in shared memory, by
-  // copies that hold no registers in flight, so the depth is bounded by shared memory
-  // rather than by the register budget. Position and slot come into registers up to two
+  // are requested kDepth tokens ahead of its math (RowPipe: on NVIDIA into a ring in
+  // shared memory, by copies that hold no registers in flight, so the depth is bounded
+  // by shared memory rather than by the register budget). Position and slot come into registers up to two
   // tokens ahead, the cos/sin rows (which wait on the position) one token ahead where
   // the depth allows. Deeper costs a longer start: the best depth depends on the shape.
   template <int kDepth>
   static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block) {
-    constexpr int kStages = kDepth + 1;  // the stage being read is never one being filled
     constexpr int kMeta = kDepth < 2 ? kDepth : 2;
     constexpr int kCsAhead = kMeta >= 2 ? 1 : 0;
-    static_assert(sizeof(float) * 4 * D + sizeof(uint4) * kStages * 2 * kBlock <= 48 * 1024,
-                  "static shared memory");
     __shared__ float norm_factors[4][D];
-    __shared__ uint4 rows[kStages][2][kBlock];  // [stage][chunk][thread]: no bank conflicts
+#if KVF_ASYNC_COPY
+    static_assert(sizeof(float) * 4 * D + sizeof(typename RowPipe<kDepth>::Ring) <= 48 * 1024,
+                  "static shared memory");
+    __shared__ typename RowPipe<kDepth>::Ring rows;
+    RowPipe<kDepth> pipe{rows};
+#else
+    RowPipe<kDepth> pipe;
+#endif
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
     const bool idle = gid >= tpp * dims.lanes_per_token;  // whole head groups idle together
@@ -343,23 +400,20 @@ struct Fused {
     const char* row0 = static_cast<const char*>(a.qkv) + (int64_t(row_head) * D + d0[0]) * 2;
     const int64_t gap = int64_t(d0[1] - d0[0]) * 2;
     const int64_t first = gid / dims.lanes_per_token;
-    // Copies go out only for tokens the loop processes, so none is still in flight when
+    // Requests go out only for tokens the loop processes, so none is still in flight when
     // the thread returns.
     int64_t t_req = first;
-    int stage_req = 0;
-    auto request_rows = [&]() {
-      if (!idle && t_req < a.num_tokens) {
-        const char* p = row0 + t_req * a.qkv_row_stride * 2;
-        copy_async16(&rows[stage_req][0][threadIdx.x], p);
-        copy_async16(&rows[stage_req][1][threadIdx.x], p + gap);
-      }
-      async_commit();  // one group per token, empty or not, so the waits count tokens
+    auto request_rows = [&](int k) {
+#if KVF_ASYNC_COPY
+      if (!idle && t_req < a.num_tokens) pipe.fill(k, row0 + t_req * a.qkv_row_stride * 2, gap);
+#else
+      // Register rows load every time (the last row again past the end): with a fixed
+      // count of loads behind it, AMD's in-order wait for the cos/sin leaves them in flight.
+      pipe.fill(k, row0 + (t_req < a.num_tokens ? t_req : a.num_tokens - 1) * a.qkv_row_stride * 2, gap);
+#endif
+      pipe.close();
       t_req += tpp;
-      stage_req = stage_req + 1 == kStages ? 0 : stage_req + 1;
     };
-    // A stage is refilled one iteration after the thread read it; those reads have been
-    // consumed by then (the norm's shuffles, the stores) or are never used, so the copy
-    // cannot overtake one that matters.
     auto fetch = [&](Meta& m, int64_t t) {
       const bool live = !idle && t < a.num_tokens;
       m.pos = live && r.kind != kV ? a.positions[t] : 0;
@@ -373,7 +427,7 @@ struct Fused {
     // access. Everything above is arithmetic on the arguments, overlapping its tail.
     wait_prior_grid();
 #pragma unroll
-    for (int k = 0; k < kDepth; ++k) request_rows();
+    for (int k = 0; k < kDepth; ++k) request_rows(k);
     Meta q[kMeta + 1];  // q[k]: the token k steps ahead of the one being computed
 #pragma unroll
     for (int k = 0; k < kMeta; ++k) fetch(q[k], first + k * tpp);
@@ -398,17 +452,19 @@ struct Fused {
     const float kv_inv = 1.0f / kv_scale;  // used only after the barrier: no wait before it
 #pragma unroll
     for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
-    int stage = 0;
     for (int64_t t = first; t < a.num_tokens; t += tpp) {
-      request_rows();
+      // Register rows go out after the loads this token waits for: AMD retires loads in
+      // order, so waiting for the cos/sin would otherwise wait for the next rows too.
+      if constexpr (KVF_ASYNC_COPY) request_rows(kDepth);
       fetch(q[kMeta], t + kMeta * tpp);
       fetch_cos_sin(q[kCsAhead]);
-      async_wait<kDepth>();  // this token's group has landed
-      const uint4 x[2] = {rows[stage][0][threadIdx.x], rows[stage][1][threadIdx.x]};
+      if constexpr (!KVF_ASYNC_COPY) request_rows(kDepth);
+      uint4 x[2];
+      pipe.front(x);
       process(a, lane, r, d0, wf, kv_inv, t, x, q[0]);
 #pragma unroll
       for (int k = 0; k < kMeta; ++k) q[k] = q[k + 1];
-      stage = stage + 1 == kStages ? 0 : stage + 1;
+      pipe.pop();
     }
   }
 

@@ -133,34 +133,30 @@ hipError_t launch_kernel(void (*kernel)(P...), unsigned blocks, unsigned threads
 }
 
 // ---- asynchronous copies into shared memory (NVIDIA sm_80+) ---------------------------
+// KVF_ASYNC_COPY is 1 where they exist (an NVIDIA device pass for sm_80+), else 0 and the
+// three functions are not defined: the kernel keeps its rows in registers there (AMD's
+// copy into LDS is a load and then a store, so it would wait for each row).
 // copy_async16 starts a 16-byte copy from global to shared memory that holds no register
 // while in flight (cp.async, L1 bypassed: the rows are read once). async_commit() closes
 // this thread's group of copies; async_wait<N>() returns once at most N of its groups
 // are still in flight, and the thread may then read what the finished ones wrote.
-// Elsewhere the copy is a plain load and store, done when it returns, and the other two
-// do nothing: correct, but the copies no longer overlap the math (see benchmarks/NOTES.md
-// on AMD).
-KVF_DEVICE void copy_async16(void* dst_shared, const void* src) {
 #if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define KVF_ASYNC_COPY 1
+
+KVF_DEVICE void copy_async16(void* dst_shared, const void* src) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-#else
-  *static_cast<uint4*>(dst_shared) = *static_cast<const uint4*>(src);
-#endif
 }
 
-KVF_DEVICE void async_commit() {
-#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
+KVF_DEVICE void async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>
 KVF_DEVICE void async_wait() {
-#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
 }
+#else
+#define KVF_ASYNC_COPY 0
+#endif
 
 // ---- bit casts -----------------------------------------------------------------------
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
