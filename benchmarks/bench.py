@@ -178,7 +178,9 @@ def host_overhead(v) -> dict:
     args = with_outputs(make_inputs(v, 1, *TP[8][::2], slots="decode", device="cuda", seed=0))
     us = _host_us(lambda: fused_qknorm_rope_cache(**args))
     x = torch.zeros(1, device="cuda")
-    return {"host_overhead_us": us, "host_dispatch": type(dispatch.table()).__name__,
+    table = dispatch.table()
+    return {"host_overhead_us": us,
+            "host_dispatch": "C++" if not isinstance(table, dispatch.PythonTable) else "Python",
             "host_torch_add_us": _host_us(lambda: x.add_(1))}
 
 

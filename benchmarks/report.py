@@ -29,9 +29,9 @@ def _run_section(name: str, result: dict) -> list[str]:
         "- bytes: qkv read once + q_out, index_q_out, K, V, index-cache writes + positions/slots",
         "- depth: the main loop's pipeline depth the runtime picked from `tuning/` (made by "
         "`benchmarks/tune.py`); default = the library's default",
-        f"- host overhead per eager call: **{result['host_overhead_us']:.1f} µs**"
-        + (f" ({result['host_dispatch']} signature table; torch's one-element `add_` on this CPU: "
-           f"{result['host_torch_add_us']:.1f} µs)" if "host_dispatch" in result else ""),
+        f"- host overhead per eager call: **{result['host_overhead_us']:.1f} µs** "
+        f"(signature table: {result['host_dispatch']}; torch's one-element `add_` on this CPU: "
+        f"{result['host_torch_add_us']:.1f} µs)",
         f"- build ({result['build']['compiler']}): cold {result['build']['cold_build_s']:.2f} s per variant "
         f"(max {result['build']['cold_build_s_max']:.2f} s over {result['build']['variants']}), "
         f"warm load {result['build']['warm_load_ms']:.2f} ms",
