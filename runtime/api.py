@@ -100,10 +100,13 @@ def _bind(plan: _Plan, a: Args, t: reference.Tensors, argv: tuple) -> None:
     """Remember a validated call in the signature table, unless some tensor the kernel
     gets is not one of the arguments as passed (then it is validated every time)."""
     slots = []  # (word of Args, index of the argument holding that tensor)
-    for name, offset in _POINTER_OFFSETS:
+    for name, offset, own in _POINTER_OFFSETS:
         obj = getattr(t, name)
         if obj is not None:
-            i = next((i for i, x in enumerate(argv) if x is obj), None)
+            # Its own parameter first: with aliased arguments (v_scale=k_scale) the first
+            # identical one would be another parameter, wrong for a later unaliased call.
+            # Then any (a tensor validation derived: kv_cache's K and V, shared slots).
+            i = own if argv[own] is obj else next((i for i, x in enumerate(argv) if x is obj), None)
             if i is None:
                 return
             slots.append((offset // 8, i))
@@ -111,10 +114,12 @@ def _bind(plan: _Plan, a: Args, t: reference.Tensors, argv: tuple) -> None:
                   plan.lib.check)
 
 
-# Byte offsets in Args of each data pointer, by the Tensors attribute it comes from.
-_POINTER_OFFSETS = tuple((name, getattr(Args, field).offset) for field, name in _POINTERS) + tuple(
-    (field, getattr(Args, field).offset + CacheArg.data.offset) for field, _ in _CACHES)
-assert ctypes.sizeof(Args) % 8 == 0 and all(off % 8 == 0 for _, off in _POINTER_OFFSETS)
+# Each data pointer: the Tensors attribute it comes from, its byte offset in Args, and
+# the position of the parameter of that name.
+_POINTER_OFFSETS = tuple(
+    (name, getattr(Args, field).offset, _ARG_NAMES.index(name)) for field, name in _POINTERS) + tuple(
+    (field, getattr(Args, field).offset + CacheArg.data.offset, _ARG_NAMES.index(field)) for field, _ in _CACHES)
+assert ctypes.sizeof(Args) % 8 == 0 and all(off % 8 == 0 for _, off, _ in _POINTER_OFFSETS)
 
 
 def _prepared(variant, t: reference.Tensors) -> tuple[_Plan, Args, int]:

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <new>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -59,7 +60,7 @@ bool sign(PyObject* x, std::string& key, intptr_t& ptr) {
     if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() || t.is_meta() ||
         t.unsafeGetTensorImpl()->is_python_dispatch())
       return false;
-    ptr = reinterpret_cast<intptr_t>(t.const_data_ptr());
+    ptr = reinterpret_cast<intptr_t>(t.data_ptr());  // materializes a copy-on-write tensor, as Python's does
     key.push_back('T');
     put(key, static_cast<int8_t>(t.scalar_type()));
     put(key, static_cast<int8_t>(t.device().type()));
@@ -98,9 +99,9 @@ bool sign(PyObject* x, std::string& key, intptr_t& ptr) {
 // The signature of a tuple of arguments; false if some argument has none here.
 bool signature(PyObject* argv, std::string& key, std::vector<intptr_t>& ptrs) {
   const Py_ssize_t n = PyTuple_GET_SIZE(argv);
-  key.reserve(64 * static_cast<size_t>(n));
-  ptrs.resize(static_cast<size_t>(n));
   try {  // no C++ exception may cross into Python; whatever throws is validation's to judge
+    key.reserve(64 * static_cast<size_t>(n));
+    ptrs.resize(static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i)
       if (!sign(PyTuple_GET_ITEM(argv, i), key, ptrs[static_cast<size_t>(i)])) return false;
   } catch (...) {
@@ -132,7 +133,8 @@ PyObject* configure(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// bind(argv, template, slots, fn, device, on_error): remember a validated call.
+// bind(argv, template, slots, fn, device, on_error): remember a validated call. Each
+// slot (word, argument) names an argument that is a tensor.
 PyObject* bind(PyObject*, PyObject* args) {
   PyObject *argv = nullptr, *slots = nullptr, *on_error = nullptr;
   const char* tmpl = nullptr;
@@ -145,39 +147,56 @@ PyObject* bind(PyObject*, PyObject* args) {
   std::string key;
   std::vector<intptr_t> ptrs;
   if (!signature(argv, key, ptrs)) Py_RETURN_FALSE;
-  Entry e;
-  e.tmpl.assign(tmpl, static_cast<size_t>(tmpl_len));
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(slots); ++i) {
-    int word = 0, arg = 0;
-    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(slots, i), "ii", &word, &arg)) return nullptr;
-    if (word < 0 || static_cast<size_t>(word + 1) * 8 > e.tmpl.size() || arg < 0 ||
-        arg >= PyTuple_GET_SIZE(argv)) {
-      PyErr_SetString(PyExc_ValueError, "bind: a slot outside the template or the arguments");
-      return nullptr;
+  // References the table gives up are released once it is consistent again (a
+  // finalizer may use it).
+  std::vector<PyObject*> dropped;
+  Py_INCREF(on_error);  // the entry's
+  try {
+    Entry e;
+    e.tmpl.assign(tmpl, static_cast<size_t>(tmpl_len));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(slots); ++i) {
+      int word = 0, arg = 0;
+      if (!PyArg_ParseTuple(PyTuple_GET_ITEM(slots, i), "ii", &word, &arg)) {
+        Py_DECREF(on_error);
+        return nullptr;
+      }
+      if (word < 0 || static_cast<size_t>(word + 1) * 8 > e.tmpl.size() || arg < 0 ||
+          arg >= PyTuple_GET_SIZE(argv) || !THPVariable_Check(PyTuple_GET_ITEM(argv, arg))) {
+        Py_DECREF(on_error);
+        PyErr_SetString(PyExc_ValueError,
+                        "bind: a slot outside the template, or naming an argument that is not a tensor");
+        return nullptr;
+      }
+      e.slots.emplace_back(word, arg);
     }
-    e.slots.emplace_back(word, arg);
-  }
-  e.fn = reinterpret_cast<LaunchFn>(static_cast<uintptr_t>(fn));
-  e.device = device;
-  Py_INCREF(on_error);
-  e.on_error = on_error;
-  Table& t = table();
-  auto it = t.entries.find(key);
-  if (it != t.entries.end()) {
-    Py_DECREF(it->second.on_error);
-    it->second = std::move(e);
-    Py_RETURN_TRUE;
-  }
-  while (t.entries.size() >= t.capacity && !t.order.empty()) {
-    auto old = t.entries.find(t.order.front());
-    if (old != t.entries.end()) {
-      Py_DECREF(old->second.on_error);
-      t.entries.erase(old);
+    e.fn = reinterpret_cast<LaunchFn>(static_cast<uintptr_t>(fn));
+    e.device = device;
+    e.on_error = on_error;
+    Table& t = table();
+    auto it = t.entries.find(key);
+    // Room for every reference given up, before anything is erased (no throw after).
+    dropped.reserve(t.entries.size() >= t.capacity ? t.entries.size() - t.capacity + 1 : 1);
+    if (it != t.entries.end()) {
+      dropped.push_back(it->second.on_error);
+      it->second = std::move(e);
+    } else {
+      while (t.entries.size() >= t.capacity && !t.order.empty()) {
+        auto old = t.entries.find(t.order.front());
+        if (old != t.entries.end()) {
+          dropped.push_back(old->second.on_error);
+          t.entries.erase(old);
+        }
+        t.order.pop_front();
+      }
+      t.order.push_back(key);
+      t.entries.emplace(std::move(key), std::move(e));
     }
-    t.order.pop_front();
+  } catch (const std::bad_alloc&) {
+    Py_DECREF(on_error);  // (an entry it would have named is not in the table)
+    for (PyObject* o : dropped) Py_DECREF(o);
+    return PyErr_NoMemory();
   }
-  t.order.push_back(key);
-  t.entries.emplace(std::move(key), std::move(e));
+  for (PyObject* o : dropped) Py_DECREF(o);
   Py_RETURN_TRUE;
 }
 
@@ -201,7 +220,12 @@ PyObject* launch(PyObject*, PyObject* argv) {
   // Everything the launch needs is copied out before Python runs again (the stream and
   // device getters), which could bind or clear and so move or free the entry.
   const Entry& e = it->second;
-  std::string args = e.tmpl;
+  std::string args;
+  try {
+    args = e.tmpl;
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
   for (const auto& [word, arg] : e.slots) {
     const uint64_t p = static_cast<uint64_t>(ptrs[static_cast<size_t>(arg)]);
     std::memcpy(&args[static_cast<size_t>(word) * 8], &p, sizeof(p));
@@ -223,7 +247,10 @@ PyObject* launch(PyObject*, PyObject* argv) {
     Py_DECREF(on_error);
     return nullptr;
   }
-  const int code = fn(args.data(), reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  int code = 0;
+  Py_BEGIN_ALLOW_THREADS  // as ctypes does: a launch may block on a full queue
+  code = fn(args.data(), reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  Py_END_ALLOW_THREADS
   PyObject* r = code != 0 ? PyObject_CallFunction(on_error, "i", code) : Py_None;
   Py_DECREF(on_error);
   if (r == nullptr) return nullptr;
@@ -236,9 +263,11 @@ PyObject* size(PyObject*, PyObject*) { return PyLong_FromSize_t(table().entries.
 
 PyObject* clear(PyObject*, PyObject*) {
   Table& t = table();
-  for (auto& kv : t.entries) Py_DECREF(kv.second.on_error);
+  std::vector<PyObject*> held;
+  for (auto& kv : t.entries) held.push_back(kv.second.on_error);
   t.entries.clear();
   t.order.clear();
+  for (PyObject* o : held) Py_DECREF(o);  // after: a finalizer may use the table
   Py_RETURN_NONE;
 }
 

@@ -45,7 +45,7 @@ class PythonTable:
 
     def configure(self, get_device: Callable[[], int], get_stream: Callable[[int], int],
                   capacity: int) -> None:
-        self._get_device, self._get_stream, self._capacity = get_device, get_stream, capacity
+        self._get_device, self._get_stream, self._capacity = get_device, get_stream, max(1, capacity)
 
     @staticmethod
     def _signature(argv: tuple) -> Optional[tuple[tuple, list]]:
@@ -71,6 +71,9 @@ class PythonTable:
         sig = self._signature(argv)
         if sig is None:
             return False
+        for w, i in slots:
+            if not (0 <= w < len(template) // 8 and 0 <= i < len(argv) and isinstance(argv[i], torch.Tensor)):
+                raise ValueError("bind: a slot outside the template, or naming an argument that is not a tensor")
         if sig[0] not in self._entries and len(self._entries) >= self._capacity:
             self._entries.pop(next(iter(self._entries)))
         self._entries[sig[0]] = (template, tuple(slots), _LAUNCH_FN(fn), device, on_error)
@@ -102,7 +105,7 @@ class PythonTable:
 
 def _build_key() -> str:
     h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(f"{torch.__version__}\0{sys.version}\0{sys.platform}".encode())
+    h.update(f"{torch.__version__}\0{torch.version.git_version}\0{sys.version}\0{sys.platform}".encode())
     return h.hexdigest()[:16]
 
 

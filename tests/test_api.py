@@ -197,6 +197,27 @@ def test_any_bad_argument_is_rejected_cleanly(base, key, data):
         assert_untouched(args, snap)
 
 
+def test_a_bound_call_takes_each_pointer_from_its_own_parameter(monkeypatch):
+    """With aliased arguments (v_scale is k_scale, k_norm_weight is q_norm_weight) the
+    table must still read each pointer from its own parameter: a later call with the same
+    signature may pass separate tensors."""
+    import types
+
+    from runtime import api, dispatch
+    from runtime.abi import Args
+
+    args = seed_args(SEED_FP8)
+    args.update(v_scale=args["k_scale"], k_norm_weight=args["q_norm_weight"])
+    defaults = {"eps": 1e-6, "index_mode": "full", "norm": "gemma"}
+    argv = tuple(args.get(n, defaults.get(n)) for n in api._ARG_NAMES)
+    _, t = check(**dict(zip(api._ARG_NAMES, argv)))
+    bound = {}
+    monkeypatch.setattr(dispatch, "bind", lambda argv, template, slots, *rest: bound.update(slots))
+    api._bind(types.SimpleNamespace(lib=types.SimpleNamespace(launch_address=0, check=None)), Args(), t, argv)
+    for name in ("k_scale", "v_scale", "q_norm_weight", "k_norm_weight"):
+        assert bound[getattr(Args, name).offset // 8] == api._ARG_NAMES.index(name), name
+
+
 def test_the_op_itself_needs_its_outputs_passed():
     """The public function allocates q_out / index_q_out; the op (torch.ops.kvforge, whose
     schema makes index_q_out optional) and validation refuse a missing one, writing nothing."""

@@ -2,6 +2,7 @@
 pass the same cases. A ctypes callback stands in for a kernel library's kvf_launch."""
 import ctypes
 import struct
+import sys
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ def table(request):
     t.configure(lambda: state["device"], lambda dev: 1000 + dev, 8)
     yield t, state
     t.clear()
+    if dispatch._TABLE is t:  # the process's table (one C++ module): set up afresh when next needed
+        dispatch._TABLE = None
 
 
 class Kernel:
@@ -137,11 +140,46 @@ def test_the_oldest_signature_goes_first_when_full(table):
     assert t.size() == 8
     assert not t.launch(call(heads=0)) and not t.launch(call(heads=1))
     assert all(t.launch(call(heads=h)) for h in range(2, 10))
-    bind(t, call(heads=5), k)  # rebinding one held replaces it in place
-    assert t.size() == 8 and t.launch(call(heads=2))
 
 
-def test_a_slot_outside_the_template_is_refused(native):
-    native.configure(lambda: 0, lambda dev: 0, 8)
-    with pytest.raises(ValueError, match="outside the template"):
-        native.bind(call(), TEMPLATE, ((WORDS, 0),), Kernel().address, 0, lambda code: None)
+def test_rebinding_a_signature_replaces_its_launch(table):
+    t, state = table
+    old, new = Kernel(), Kernel()
+    bind(t, call(), old)
+    template = struct.pack(f"<{WORDS}Q", *range(100, 100 + WORDS))
+    assert t.bind(call(), template, ((1, 0),), new.address, 1, lambda code: None)
+    state["device"] = 1
+    fresh = call()
+    assert t.size() == 1 and t.launch(fresh) and old.calls == []
+    (words, stream), = new.calls
+    assert words[1] == fresh[0].data_ptr() and words[0] == 100 and words[3] == 103 and stream == 1001
+
+
+def test_the_table_holds_one_reference_to_each_error_handler(table):
+    t, _ = table
+    k = Kernel()
+
+    def on_error(code):
+        pass
+
+    base = sys.getrefcount(on_error)
+    bind(t, call(), k, on_error=on_error)
+    bind(t, call(heads=1), k, on_error=on_error)
+    assert sys.getrefcount(on_error) == base + 2
+    bind(t, call(), k)  # replaced by another handler
+    assert sys.getrefcount(on_error) == base + 1
+    for heads in range(10, 18):  # capacity 8: evicts call(), then call(heads=1)
+        bind(t, call(heads=heads), k)
+    assert sys.getrefcount(on_error) == base
+    bind(t, call(), k, on_error=on_error)
+    t.clear()
+    assert sys.getrefcount(on_error) == base and t.size() == 0
+
+
+@pytest.mark.parametrize("slots", [((WORDS, 0),), ((0, 2),), ((0, 99),)],
+                         ids=["word past the template", "argument not a tensor", "argument past the end"])
+def test_a_slot_that_names_no_tensor_is_refused(table, slots):
+    t, _ = table
+    with pytest.raises(ValueError, match="^bind: a slot outside the template, or naming an argument that is not a tensor$"):
+        t.bind(call(), TEMPLATE, slots, Kernel().address, 0, lambda code: None)
+    assert t.size() == 0
