@@ -6,7 +6,7 @@ whose signature was validated launches from that call's packed Args with only th
 pointers filled in, on the current stream, when the current device is the tensors'.
 
 The table is C++ (`dispatch.cpp`), built once per torch and Python by torch's extension
-builder (~30 s, cached under KVFORGE_CACHE_DIR): Python needs ~1 µs per tensor argument
+builder (10-20 s, cached under KVFORGE_CACHE_DIR): Python needs ~1 µs per tensor argument
 to read its metadata on the H200's host, most of a call's overhead. Where it cannot be
 built (no host compiler or Python headers) a Python table with the same contract is
 used, with a warning. KVFORGE_HOST_DISPATCH=python selects the Python table.
