@@ -368,9 +368,10 @@ struct Fused {
   // A thread's tokens go through a pipeline. Its two row chunks (the bulk of the bytes)
   // are requested kDepth tokens ahead of its math (RowPipe: on NVIDIA into a ring in
   // shared memory, by copies that hold no registers in flight, so the depth is bounded
-  // by shared memory rather than by the register budget). Position and slot come into registers up to two
-  // tokens ahead, the cos/sin rows (which wait on the position) one token ahead where
-  // the depth allows. Deeper costs a longer start: the best depth depends on the shape.
+  // by shared memory rather than by the register budget). Position and slot come into
+  // registers up to two tokens ahead, the cos/sin rows (which wait on the position) one
+  // token ahead where the depth allows. Deeper costs a longer start: the best depth
+  // depends on the shape.
   template <int kDepth>
   static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block) {
     constexpr int kMeta = kDepth < 2 ? kDepth : 2;
@@ -400,8 +401,8 @@ struct Fused {
     const char* row0 = static_cast<const char*>(a.qkv) + (int64_t(row_head) * D + d0[0]) * 2;
     const int64_t gap = int64_t(d0[1] - d0[0]) * 2;
     const int64_t first = gid / dims.lanes_per_token;
-    // Requests go out only for tokens the loop processes, so none is still in flight when
-    // the thread returns.
+    // Copies into shared memory go out only for tokens the loop processes, so none is
+    // still in flight when the thread returns.
     int64_t t_req = first;
     auto request_rows = [&](int k) {
 #if KVF_ASYNC_COPY
