@@ -21,6 +21,7 @@ import torch
 from . import dispatch, reference, tuning
 from .abi import Args, CacheArg
 from .registry import REGISTRY
+from .toolchain import Toolchain
 from .validate import check, check_ranges
 
 Tensor = torch.Tensor
@@ -130,16 +131,18 @@ def _prepared(variant, t: reference.Tensors) -> tuple[_Plan, Args, int]:
     return plan, _args(plan, t), device_index
 
 
-def launch_at_depth(depth: int, **kwargs) -> Callable[[], None]:
-    """For the tuner: validate a GPU call once and return a function that launches it
-    at pipeline depth `depth` (1..KVF_MAX_PIPELINE_DEPTH), on the current stream."""
+def launch_at_depth(depth: int, toolchain: Optional[Toolchain] = None, **kwargs) -> Callable[[], None]:
+    """For the tuner and the tests: validate a GPU call once and return a function that
+    launches it at pipeline depth `depth` (1..KVF_MAX_PIPELINE_DEPTH), on the current
+    stream, with the variant's library as `toolchain` builds it (default: the runtime's)."""
     if kwargs.get("q_out") is None:
         raise ValueError("q_out: launch_at_depth needs the outputs allocated")
     params = inspect.signature(fused_qknorm_rope_cache).parameters
     variant, t = check(**{name: kwargs.get(name, params[name].default) for name in _ARG_NAMES})
     plan, a, device_index = _prepared(variant, t)
     a.pipeline_depth = depth
-    return functools.partial(_launch, plan.lib.launch, a, device_index)
+    lib = REGISTRY.get(variant, toolchain) if toolchain else plan.lib
+    return functools.partial(_launch, lib.launch, a, device_index)
 
 
 def _impl(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, slot_mapping: Tensor,

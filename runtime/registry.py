@@ -53,12 +53,12 @@ def add_hint(v: Variant) -> str:
 
 class Registry:
     def __init__(self) -> None:
-        self._libs: dict[tuple[str, str], KernelLibrary] = {}
+        self._libs: dict[tuple[str, _toolchain.Toolchain], KernelLibrary] = {}
         self._lock = threading.Lock()
 
     def get(self, v: Variant, tc: _toolchain.Toolchain | None = None) -> KernelLibrary:
         tc = tc or _toolchain.default()
-        key = (v.uri, tc.arch)
+        key = (v.uri, tc)
         lib = self._libs.get(key)
         if lib is not None:
             return lib

@@ -42,15 +42,19 @@ class Toolchain:
     version: str       # e.g. "13.0.88"
     arch: str          # e.g. "sm_90", "gfx942"
     rocm_path: str = ""  # clang-hip: the prefix whose include/hip holds the HIP headers
+    # Preprocessor definitions ("NAME=VALUE") for every kernel, e.g. KVF_ASYNC_COPY=0 to
+    # run AMD's register pipeline on NVIDIA in the tests. Part of the flags, so of the key.
+    defines: tuple[str, ...] = ()
 
     @property
     def flags(self) -> tuple[str, ...]:
+        defines = tuple(f"-D{d}" for d in self.defines)
         if self.kind == "nvcc":
             num = self.arch.removeprefix("sm_")
-            return NVCC_FLAGS + (f"-gencode=arch=compute_{num},code=sm_{num}",)
+            return NVCC_FLAGS + (f"-gencode=arch=compute_{num},code=sm_{num}",) + defines
         if self.kind == "clang-hip":
-            return CLANG_HIP_FLAGS + (f"--offload-arch={self.arch}", f"--rocm-path={self.rocm_path}")
-        return HIPCC_FLAGS + (f"--offload-arch={self.arch}",)
+            return CLANG_HIP_FLAGS + (f"--offload-arch={self.arch}", f"--rocm-path={self.rocm_path}") + defines
+        return HIPCC_FLAGS + (f"--offload-arch={self.arch}",) + defines
 
     @property
     def output_suffix(self) -> str:
@@ -64,7 +68,7 @@ class Toolchain:
         if self.kind != "clang-hip":
             raise ToolchainError(f"host_check_command is for the clang-hip check, not {self.kind}")
         return [self.compiler, *CLANG_HIP_HOST_FLAGS, f"--offload-arch={self.arch}",
-                f"--rocm-path={self.rocm_path}", f"-I{INCLUDE}", source]
+                f"--rocm-path={self.rocm_path}", *(f"-D{d}" for d in self.defines), f"-I{INCLUDE}", source]
 
 
 def _run(cmd: list[str]) -> str:

@@ -51,8 +51,18 @@ def test_cache_key_covers_source_compiler_arch_and_flags():
     keys = {build.cache_key("src", tc), build.cache_key("src2", tc),
             build.cache_key("src", toolchain.Toolchain("nvcc", "nvcc", "13.0.89", "sm_90")),
             build.cache_key("src", toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_100")),
-            build.cache_key("src", toolchain.Toolchain("hipcc", "nvcc", "13.0.88", "sm_90"))}
-    assert len(keys) == 5
+            build.cache_key("src", toolchain.Toolchain("hipcc", "nvcc", "13.0.88", "sm_90")),
+            build.cache_key("src", toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_90",
+                                                       defines=("KVF_ASYNC_COPY=0",)))}
+    assert len(keys) == 6
+
+
+def test_defines_reach_every_compile_command():
+    for tc in (toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_90", defines=("A=1", "B")),
+               toolchain.Toolchain("hipcc", "hipcc", "6.2", "gfx942", defines=("A=1", "B")),
+               toolchain.Toolchain("clang-hip", "clang", "22", "gfx942", "/r", defines=("A=1", "B"))):
+        assert tc.command("a.hip", "a.so")[-6:-4] == ["-DA=1", "-DB"], tc.kind
+    assert "-DA=1" in tc.host_check_command("a.hip")
 
 
 UNLISTED = make_variant(spec().contracts, {

@@ -1,4 +1,5 @@
 """Every variant in variants.yaml against the reference on the GPU (SPEC §6)."""
+import dataclasses
 import re
 import zlib
 
@@ -70,6 +71,28 @@ def test_every_pipeline_depth_matches_reference(variant, depth):
     args = make_inputs(variant, 4000, 8, niq, slots="prefill", pad=7, device="cuda", seed=21,
                        cos_sin="random", num_slots=3990)
     check_against_reference(args, lambda **a: launch_at_depth(depth, **a)(), ref_device="cuda")
+
+
+@pytest.fixture(scope="module")
+def register_pipeline():
+    """The toolchain that builds the kernels with rows waiting in registers, as on AMD
+    (KVF_ASYNC_COPY=0), and every listed variant built so: on NVIDIA the kernel
+    otherwise waits for them in shared memory, and AMD is only compiled here."""
+    tc = dataclasses.replace(toolchain.default(), defines=("KVF_ASYNC_COPY=0",))
+    build.build_many([build.Job(v.uri, source_of(v)) for v in VARIANTS], tc)
+    return tc
+
+
+@pytest.mark.parametrize("depth", range(1, MAX_PIPELINE_DEPTH + 1))
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.uri)
+def test_register_pipeline_matches_reference(variant, depth, register_pipeline):
+    """AMD's pipeline, run: several tokens per thread (see above), the last ones padded,
+    past the slots, or past the end, where its row loads repeat the last row."""
+    niq = 0 if variant.index_mode is IndexMode.NONE else 2
+    args = make_inputs(variant, 4000, 8, niq, slots="prefill", pad=7, device="cuda", seed=22,
+                       cos_sin="random", num_slots=3990)
+    check_against_reference(args, lambda **a: launch_at_depth(depth, register_pipeline, **a)(),
+                            ref_device="cuda")
 
 
 def _seed_variant(**axes):

@@ -140,9 +140,16 @@ hipError_t launch_kernel(void (*kernel)(P...), unsigned blocks, unsigned threads
 // while in flight (cp.async, L1 bypassed: the rows are read once). async_commit() closes
 // this thread's group of copies; async_wait<N>() returns once at most N of its groups
 // are still in flight, and the thread may then read what the finished ones wrote.
+// A build may set KVF_ASYNC_COPY=0 itself: the GPU tests run AMD's register pipeline so.
+#ifndef KVF_ASYNC_COPY
 #if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define KVF_ASYNC_COPY 1
+#else
+#define KVF_ASYNC_COPY 0
+#endif
+#endif
 
+#if KVF_ASYNC_COPY
 KVF_DEVICE void copy_async16(void* dst_shared, const void* src) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
@@ -154,8 +161,6 @@ template <int N>
 KVF_DEVICE void async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
-#else
-#define KVF_ASYNC_COPY 0
 #endif
 
 // ---- bit casts -----------------------------------------------------------------------
