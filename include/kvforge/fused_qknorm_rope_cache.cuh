@@ -12,8 +12,8 @@
 // every token it visits and requests the next tokens' rows (RowPipe) while computing
 // the current. V of a layout that scatters one token's dims (SHUFFLE) goes,
 // from kVLoopMinTokens tokens on, to a second loop every thread runs after the main
-// one, in which a lane owns `slot_vec` consecutive tokens of one dim chunk and, for
-// prefill runs, transposes them in registers into whole vector stores.
+// one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
+// prefill runs, transposes them in registers into vector stores.
 #pragma once
 
 #include "kvforge/abi.h"
@@ -32,6 +32,7 @@ constexpr int kBlock = 256;
 // fp32 cos/sin gain 4-8% at 8192+ tokens. Deeper kernels keep 128 (two blocks): capping
 // them spilled heavily and lost 40-50% (benchmarks/NOTES.md).
 constexpr int min_blocks_per_sm(int depth) { return depth == 1 ? 3 : 2; }
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
 // (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default).
 
@@ -46,7 +47,7 @@ struct Dims {
   int32_t lanes_per_token;    // main loop: heads handled per token * lanes per head
   int64_t tokens_per_pass;    // tokens the main loop's threads cover side by side
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
-  int64_t v_groups;           // groups of slot_vec tokens the V loop writes (the last may be partial)
+  int64_t v_groups;           // groups of kVGroup tokens the V loop writes (the last may be partial)
 };
 
 // ---- element packing -----------------------------------------------------------------
@@ -536,15 +537,19 @@ struct Fused {
     }
   }
 
-  // V for layouts whose 16-byte runs span tokens (SHUFFLE), all of it: a lane owns the
-  // TG tokens of one group for one 8-dim chunk. When their slots are one aligned run (a
-  // prefill), each dim's TG values leave as whole vector stores; otherwise (decode, the
-  // last group when partial) value by value.
+  // V for layouts whose 16-byte runs span tokens (SHUFFLE), all of it: a lane owns
+  // kVGroup consecutive tokens of one head's 8-dim chunk. When their slots are one
+  // aligned run (a prefill), each dim's values leave as one store of kVGroup elements;
+  // otherwise (decode, a partial last group) value by value. Groups are at most 8
+  // tokens, half a vector for FP8 (16 tokens per vector): a lane then waits for memory
+  // once, and twice as many lanes share the loop (FP8 TP8, 1024 tokens: 10.6 -> 7.0 us).
+  // A group's slots are one per lane of the head: at most LPH tokens.
+  static constexpr int kVGroup = cmin(cmin(VT::V::kSlotVec, 8), LPH);
+
   static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks) {
     using C = typename VT::V;
-    constexpr int TG = C::kSlotVec, EB = C::kElemBytes;
-    constexpr int CH = TG < 8 ? TG : 8, NB = CH * EB;      // tokens and bytes per store
-    constexpr int kWords = kVec * EB / 4;                  // packed words per token
+    constexpr int G = kVGroup, EB = C::kElemBytes, NB = G * EB;  // bytes per store
+    constexpr int kWords = kVec * EB / 4;                        // packed words per token
     const int lane = threadIdx.x % LPH;
     const uint32_t d0 = lane * kVec;
     // Groups go round-robin over the blocks, so few tokens still spread over the GPU.
@@ -554,78 +559,60 @@ struct Fused {
       const int64_t item = block + k * nblocks;
       if (item >= items) break;
       const uint32_t h = static_cast<uint32_t>(item % NKV);
-      const int64_t t0 = item / NKV * TG;
-      const int n = dims.v_tokens - t0 < TG ? static_cast<int>(dims.v_tokens - t0) : TG;  // its tokens
+      const int64_t t0 = item / NKV * G;
+      const int n = dims.v_tokens - t0 < G ? static_cast<int>(dims.v_tokens - t0) : G;  // its tokens
       const int64_t col = int64_t(a.num_heads + NKV + h) * D + d0;
-      // Tokens in chunks of at most 8 (16 FP8 tokens would hold 64 registers of rows).
-      uint4 raw[CH];
-      auto load_rows = [&](int c) {
-#pragma unroll
-        for (int k2 = 0; k2 < CH; ++k2)
-          raw[k2] = c * CH + k2 < n ? load16(static_cast<const char*>(a.qkv) +
-                                             ((t0 + c * CH + k2) * a.qkv_row_stride + col) * 2)
-                                    : make_uint4(0u, 0u, 0u, 0u);
-      };
-      // The group's slots, lane l holding those of tokens l, l + LPH, ..., and whether
-      // they are one aligned run; these loads and the first rows' go out together.
-      constexpr int kSlotsPerLane = (TG + LPH - 1) / LPH;
-      int64_t slot[kSlotsPerLane];
+      // The group's slots, lane l holding token l's, and whether they are one aligned
+      // run; these loads and the rows' go out together.
+      const int64_t slot = lane < n ? a.slot_mapping[t0 + lane] : -1;
       const int64_t s0 = a.slot_mapping[t0];
-      int run = n == TG && s0 >= 0 && s0 % TG == 0 && s0 + TG <= a.v_cache.capacity;
+      uint4 raw[G];
 #pragma unroll
-      for (int i = 0; i < kSlotsPerLane; ++i) {
-        const int k2 = lane + i * LPH;
-        slot[i] = k2 < n ? a.slot_mapping[t0 + k2] : -1;
-        run &= k2 >= TG || slot[i] == s0 + k2;
-      }
-      load_rows(0);
+      for (int k2 = 0; k2 < G; ++k2)
+        raw[k2] = k2 < n ? load16(static_cast<const char*>(a.qkv) + ((t0 + k2) * a.qkv_row_stride + col) * 2)
+                         : make_uint4(0u, 0u, 0u, 0u);
+      int run = n == G && s0 >= 0 && s0 % G == 0 && s0 + G <= a.v_cache.capacity &&
+                (lane >= G || slot == s0 + lane);
 #pragma unroll
       for (int sh = LPH / 2; sh >= 1; sh /= 2) run &= shfl_xor<LPH>(run, sh);
       const float inv = kKvFp8 ? 1.0f / scale_of<VT::kKvScale>(a.v_scale, h) : 1.0f;
+      uint32_t w[G][kWords];
 #pragma unroll
-      for (int c = 0; c < TG / CH; ++c) {
-        if (c > 0) load_rows(c);
-        uint32_t w[CH][kWords];
-#pragma unroll
-        for (int k2 = 0; k2 < CH; ++k2) {
-          if constexpr (kKvFp8) {
-            float f[kVec];
-            unpack8<M>(raw[k2], f);
-            uint32_t q[2];
-            pack_fp8<VT::kFp8, VT::kSaturateKv>(f, inv, q);
-            w[k2][0] = q[0];
-            w[k2][1] = q[1];
-          } else {
-            w[k2][0] = raw[k2].x; w[k2][1] = raw[k2].y; w[k2][2] = raw[k2].z; w[k2][3] = raw[k2].w;
-          }
-        }
-        if (run) {
-          const int64_t first = s0 + c * CH;
-          const int64_t page = first / C::kPageSize;
-          const uint32_t off = static_cast<uint32_t>(first % C::kPageSize);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            uint32_t out[(NB + 3) / 4];
-#pragma unroll
-            for (int i = 0; i < (NB + 3) / 4; ++i) out[i] = 0u;
-#pragma unroll
-            for (int k2 = 0; k2 < CH; ++k2)
-              out[k2 * EB / 4] |= elem_of<EB>(w[k2], j) << (8 * ((k2 * EB) % 4));
-            store_bytes<NB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, out, 0);
-          }
+      for (int k2 = 0; k2 < G; ++k2) {
+        if constexpr (kKvFp8) {
+          float f[kVec];
+          unpack8<M>(raw[k2], f);
+          uint32_t q[2];
+          pack_fp8<VT::kFp8, VT::kSaturateKv>(f, inv, q);
+          w[k2][0] = q[0];
+          w[k2][1] = q[1];
         } else {
+          w[k2][0] = raw[k2].x; w[k2][1] = raw[k2].y; w[k2][2] = raw[k2].z; w[k2][3] = raw[k2].w;
+        }
+      }
+      if (run) {
+        const int64_t page = s0 / C::kPageSize;
+        const uint32_t off = static_cast<uint32_t>(s0 % C::kPageSize);
 #pragma unroll
-          for (int k2 = 0; k2 < CH; ++k2) {
-            const int k = c * CH + k2;
-            if (k >= n) break;  // the same for the head's lanes
-            const int64_t s = shfl<LPH>(slot[k / LPH], k % LPH);
-            if (!slot_ok<C>(a.v_cache, s)) continue;
-            const int64_t page = s / C::kPageSize;
-            const uint32_t off = static_cast<uint32_t>(s % C::kPageSize);
+        for (int j = 0; j < kVec; ++j) {
+          uint32_t out[(NB + 3) / 4];
 #pragma unroll
-            for (int j = 0; j < kVec; ++j)
-              store_bytes<EB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, w[k2], j * EB);
-          }
+          for (int i = 0; i < (NB + 3) / 4; ++i) out[i] = 0u;
+#pragma unroll
+          for (int k2 = 0; k2 < G; ++k2) out[k2 * EB / 4] |= elem_of<EB>(w[k2], j) << (8 * ((k2 * EB) % 4));
+          store_bytes<NB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, out, 0);
+        }
+      } else {
+#pragma unroll
+        for (int k2 = 0; k2 < G; ++k2) {
+          if (k2 >= n) break;  // the same for the head's lanes
+          const int64_t s = shfl<LPH>(slot, k2);
+          if (!slot_ok<C>(a.v_cache, s)) continue;
+          const int64_t page = s / C::kPageSize;
+          const uint32_t off = static_cast<uint32_t>(s % C::kPageSize);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            store_bytes<EB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, w[k2], j * EB);
         }
       }
     }
@@ -656,7 +643,7 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
   dims.main_kv_heads = v_loop ? F::NKV : 2 * F::NKV;
   dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads, dims.main_kv_heads) * F::LANES;
   dims.v_tokens = a->num_slots < a->num_tokens ? a->num_slots : a->num_tokens;
-  dims.v_groups = v_loop ? (dims.v_tokens + VT::V::kSlotVec - 1) / VT::V::kSlotVec : 0;
+  dims.v_groups = v_loop ? (dims.v_tokens + F::kVGroup - 1) / F::kVGroup : 0;
   // One wave of resident blocks at most; the main loop's threads then stride over the
   // tokens. While the work fits, a lane per 32 bytes of a token (few tokens: the most
   // parallelism).
