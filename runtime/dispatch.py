@@ -119,11 +119,6 @@ def build_native(verbose: bool = False):
                               extra_cflags=["-O2", "-std=c++17"], with_cuda=False, verbose=verbose)
 
 
-def _current_device() -> int:
-    # The bound tensors are on a GPU, so CUDA is initialized: no lazy-init check (~1 µs).
-    return torch._C._cuda_getDevice()
-
-
 _TABLE = None  # created by the first bind, so CPU-only use never builds it
 
 
@@ -141,7 +136,9 @@ def table():
                               f"{str(e)[:500]}); using the Python one (~10 µs more per call). "
                               f"KVFORGE_HOST_DISPATCH=python silences this.", RuntimeWarning, stacklevel=3)
         t = t or PythonTable()
-        t.configure(_current_device, torch._C._cuda_getCurrentRawStream, CAPACITY)
+        # The current device and stream as torch's raw builtins: the bound tensors are on a
+        # GPU, so CUDA is initialized and torch.cuda's lazy-init checks (~1 µs) are not needed.
+        t.configure(torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream, CAPACITY)
         _TABLE = t
     return _TABLE
 
