@@ -8,9 +8,10 @@
 // Work split: a main-loop lane holds two 16-byte chunks of one head (a chunk and its
 // RoPE partner where the rotary halves allow), so one head of D dims is D/16 adjacent
 // lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction is
-// a shuffle butterfly inside the group. A main-loop thread keeps one head lane for
-// every token it visits and requests the next tokens' rows (RowPipe) while computing
-// the current. V of a layout that scatters one token's dims (SHUFFLE) goes,
+// a shuffle butterfly inside the group. Tokens go to threads in pairs, the two tokens'
+// groups of each head side by side. A main-loop thread keeps one head lane for every
+// token it visits and requests the next tokens' rows (RowPipe) while computing the
+// current. V of a layout that scatters one token's dims (SHUFFLE) goes,
 // from kVLoopMinTokens tokens on, to a second loop every thread runs after the main
 // one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
 // prefill runs, transposes them in registers into vector stores.
@@ -45,7 +46,7 @@ constexpr int kVLoopMinTokens = 256;
 struct Dims {
   int32_t main_kv_heads;      // K and V heads per token in the main loop: 2 nkv, or nkv when V is the V loop's
   int32_t lanes_per_token;    // main loop: heads handled per token * lanes per head
-  int64_t tokens_per_pass;    // tokens the main loop's threads cover side by side
+  int64_t tokens_per_pass;    // tokens the main loop's threads cover side by side (even: whole pairs)
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
   int64_t v_groups;           // groups of kVGroup tokens the V loop writes (the last may be partial)
 };
@@ -389,7 +390,13 @@ struct Fused {
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
     const bool idle = gid >= tpp * dims.lanes_per_token;  // whole head groups idle together
-    const int within = static_cast<int>(gid % dims.lanes_per_token);
+    // Threads take tokens in pairs (2p, 2p + 1), each head's group of token 2p beside that
+    // of token 2p + 1, so one store instruction writes a head's vectors of both: whole
+    // sectors where a layout puts consecutive slots' vectors next to each other (SHUFFLE's
+    // K, 16 bytes each), nearby lines elsewhere. 3-17% faster at 65536 tokens (NOTES).
+    const int64_t pair_lanes = 2 * int64_t(dims.lanes_per_token);
+    const int in_pair = static_cast<int>(gid % pair_lanes);
+    const int within = in_pair / (2 * LANES) * LANES + in_pair % LANES;  // lane of the token's row
     const int lane = within % LANES;
     const Role r = role_of(within / LANES, a.num_heads, a.num_index_heads, dims.main_kv_heads);
     const int row_head = row_head_of(within / LANES, a.num_heads, dims.main_kv_heads);
@@ -401,7 +408,7 @@ struct Fused {
     const bool needs_cs = kAlignedHalves && r.kind != kV && lane < kRotLanes;
     const char* row0 = static_cast<const char*>(a.qkv) + (int64_t(row_head) * D + d0[0]) * 2;
     const int64_t gap = int64_t(d0[1] - d0[0]) * 2;
-    const int64_t first = gid / dims.lanes_per_token;
+    const int64_t first = 2 * (gid / pair_lanes) + in_pair / LANES % 2;  // the thread's first token
     // Copies into shared memory go out only for tokens the loop processes, so none is
     // still in flight when the thread returns.
     int64_t t_req = first;
@@ -661,13 +668,14 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
       per_sm = b;
   }
   const int64_t cap = int64_t(dev < 64 && sm_count[dev] ? sm_count[dev] : 132) * (per_sm > 0 ? per_sm : 1);
-  const int64_t total_main = int64_t(a->num_tokens) * dims.lanes_per_token;
+  const int64_t pair_lanes = 2 * int64_t(dims.lanes_per_token);  // threads take tokens in pairs
+  const int64_t total_main = (int64_t(a->num_tokens) + 1) / 2 * pair_lanes;
   int64_t blocks = (total_main + kBlock - 1) / kBlock;
   if (blocks > cap) blocks = cap;
-  // Every main-loop thread keeps one head lane; at least one token's worth of them.
-  const int64_t min_blocks = (dims.lanes_per_token + kBlock - 1) / kBlock;
+  // Every main-loop thread keeps one head lane; at least one pair's worth of them.
+  const int64_t min_blocks = (pair_lanes + kBlock - 1) / kBlock;
   if (blocks < min_blocks) blocks = min_blocks;
-  dims.tokens_per_pass = blocks * kBlock / dims.lanes_per_token;
+  dims.tokens_per_pass = blocks * kBlock / pair_lanes * 2;
   return int(launch_kernel(fused_kernel<VT, kDepth>, static_cast<unsigned>(blocks), kBlock,
                            static_cast<hipStream_t>(stream), dependent_launch_supported(dev), *a, dims));
 }
