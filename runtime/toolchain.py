@@ -48,13 +48,18 @@ class Toolchain:
 
     @property
     def flags(self) -> tuple[str, ...]:
-        defines = tuple(f"-D{d}" for d in self.defines)
         if self.kind == "nvcc":
             num = self.arch.removeprefix("sm_")
-            return NVCC_FLAGS + (f"-gencode=arch=compute_{num},code=sm_{num}",) + defines
-        if self.kind == "clang-hip":
-            return CLANG_HIP_FLAGS + (f"--offload-arch={self.arch}", f"--rocm-path={self.rocm_path}") + defines
-        return HIPCC_FLAGS + (f"--offload-arch={self.arch}",) + defines
+            base = NVCC_FLAGS + (f"-gencode=arch=compute_{num},code=sm_{num}",)
+        elif self.kind == "clang-hip":
+            base = CLANG_HIP_FLAGS + (f"--offload-arch={self.arch}", f"--rocm-path={self.rocm_path}")
+        else:
+            base = HIPCC_FLAGS + (f"--offload-arch={self.arch}",)
+        return base + self._define_flags
+
+    @property
+    def _define_flags(self) -> tuple[str, ...]:
+        return tuple(f"-D{d}" for d in self.defines)
 
     @property
     def output_suffix(self) -> str:
@@ -68,7 +73,7 @@ class Toolchain:
         if self.kind != "clang-hip":
             raise ToolchainError(f"host_check_command is for the clang-hip check, not {self.kind}")
         return [self.compiler, *CLANG_HIP_HOST_FLAGS, f"--offload-arch={self.arch}",
-                f"--rocm-path={self.rocm_path}", *(f"-D{d}" for d in self.defines), f"-I{INCLUDE}", source]
+                f"--rocm-path={self.rocm_path}", *self._define_flags, f"-I{INCLUDE}", source]
 
 
 def _run(cmd: list[str]) -> str:
