@@ -393,7 +393,7 @@ struct Fused {
     // Threads take tokens in pairs (2p, 2p + 1), each head's group of token 2p beside that
     // of token 2p + 1, so one store instruction writes a head's vectors of both: whole
     // sectors where a layout puts consecutive slots' vectors next to each other (SHUFFLE's
-    // K, 16 bytes each), nearby lines elsewhere. 3-17% faster at 65536 tokens (NOTES).
+    // K, 16 bytes each), nearby lines elsewhere. 2-20% faster at 65536 tokens (NOTES).
     const int64_t pair_lanes = 2 * int64_t(dims.lanes_per_token);
     const int in_pair = static_cast<int>(gid % pair_lanes);
     const int within = in_pair / (2 * LANES) * LANES + in_pair % LANES;  // lane of the token's row
