@@ -110,6 +110,13 @@ def graph_us(calls: list, reps: int = 7, warmup_ms: float = 100.0) -> float:
     return statistics.median(events_ms(g.replay, reps)) * 1e3 / len(calls)
 
 
+def launch_floor_us(n_calls: int = 400) -> float:
+    """GPU µs per call of a trivial kernel (torch's one-element `add_`) timed as the op
+    is: what a launch alone costs in this replay (torch launches without PDL)."""
+    x = torch.zeros(1, device="cuda")
+    return graph_us([functools.partial(x.add_, 1)] * n_calls)
+
+
 def input_sets(v, tokens: int, nq: int, niq: int, device="cuda") -> tuple[list[dict], str, int, int]:
     """Input sets to rotate (with outputs), their slots, the op's bytes, and how many calls one graph
     replays: enough sets that the working set is ≥ 4× L2 (within 8 GB), enough calls that
@@ -137,7 +144,8 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
         "dtype": "bf16", "kv": v.kv_scale.value, "index": v.index_dtype.value if v.index_dtype else None,
         "bytes": nbytes, "input_sets": n_sets, "calls_per_graph": n_calls,
         "identical_min": identical,
-        "pipeline_depth": tuning.depth_used(torch.cuda.get_device_name(), v.uri, tokens),
+        **dict(zip(("pipeline_depth", "tokens_per_tile"),
+                   tuning.launch_used(torch.cuda.get_device_name(), v.uri, tokens))),
         "us": graph_us(ours),
         "us_event_per_call": statistics.median(events_ms(ours[0], 30)) * 1e3,
     }
@@ -232,6 +240,7 @@ def main() -> int:
         "command": "python benchmarks/bench.py " + " ".join(sys.argv[1:]),
         "timing": "CUDA-graph replay of calls_per_graph back-to-back calls rotating input_sets "
                   "sets; median of replays; us_event_per_call = CUDA events around one eager call",
+        "launch_floor_us": launch_floor_us(),
         **host_overhead(next(iter(variants.values()))),
         "build": build_costs(sorted({v for v in variants.values()}, key=lambda v: v.uri)[:4]),
         "records": [],

@@ -1,12 +1,14 @@
-"""Tune the main loop's pipeline depth per variant and token range on this GPU.
+"""Tune the main loop's launch (pipeline depth, tokens per tile) per variant and token
+range on this GPU.
 
     python benchmarks/tune.py [--name h200] [--tokens 1,16,128,1024,8192,32768,65536] [--all]
 
 For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
 variant in variants.yaml) and token count, every depth a library holds
-(1..KVF_MAX_PIPELINE_DEPTH) is checked against the reference, then timed under
-CUDA-graph replay with inputs rotated past L2, as bench.py times. A depth other than
-the library's default is chosen only when it is more than 2% faster. Token ranges are
+(1..KVF_MAX_PIPELINE_DEPTH) with every tile (1..KVF_MAX_TOKENS_PER_TILE) is checked
+against the reference, then timed under CUDA-graph replay with inputs rotated past L2,
+as bench.py times. A launch other than the library's defaults is chosen only when it
+is more than 2% faster. Token ranges are
 split at the geometric midpoints between the measured counts; the table goes to
 tuning/<name>.json, which the runtime reads (runtime/tuning.py). Nothing is tuned at
 run time. Shapes: 4 kv heads are timed at TP1 (64, 4, 4 heads), 1 kv head at TP8.
@@ -28,44 +30,46 @@ from benchmarks.bench import CONFIGS, TP, find_variant, graph_us, input_sets  # 
 from codegen.model import IndexMode  # noqa: E402
 from codegen.paths import TUNED  # noqa: E402
 from runtime import build, toolchain  # noqa: E402
-from runtime.abi import DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH  # noqa: E402
-from runtime.api import launch_at_depth  # noqa: E402
+from runtime.abi import MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE  # noqa: E402
+from runtime.api import launch_with  # noqa: E402
 from runtime.registry import source_of, spec  # noqa: E402
 from runtime.testing import check_against_reference  # noqa: E402
-from runtime.tuning import parse  # noqa: E402
+from runtime.tuning import DEFAULT, Launch, parse  # noqa: E402
 
 MARGIN = 0.02
+LAUNCHES = [Launch(d, t) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in range(1, MAX_TOKENS_PER_TILE + 1)]
 
 
-def time_depths(v, tokens: int) -> dict[int, float]:
+def time_launches(v, tokens: int) -> dict[Launch, float]:
     nq, _, niq = TP[1] if v.num_kv_heads == 4 else TP[8]
     niq = niq if v.index_mode is not IndexMode.NONE else 0
     sets, _, _, n_calls = input_sets(v, tokens, nq, niq)
     n_sets = len(sets)
     out = {}
-    for depth in range(1, MAX_PIPELINE_DEPTH + 1):
-        check_against_reference(sets[0], lambda **a: launch_at_depth(depth, **a)(), ref_device="cuda")
-        launches = [launch_at_depth(depth, **s) for s in sets]
-        out[depth] = graph_us([launches[i % n_sets] for i in range(n_calls)])
+    for launch in LAUNCHES:
+        check_against_reference(sets[0], lambda **a: launch_with(launch, **a)(), ref_device="cuda")
+        launches = [launch_with(launch, **s) for s in sets]
+        out[launch] = graph_us([launches[i % n_sets] for i in range(n_calls)])
     del sets
     torch.cuda.empty_cache()
     return out
 
 
-def choose(times: dict[int, float]) -> int:
+def choose(times: dict[Launch, float]) -> Launch:
+    default = DEFAULT.resolved()
     best = min(times, key=times.get)
-    return best if times[best] < (1 - MARGIN) * times[DEFAULT_PIPELINE_DEPTH] else DEFAULT_PIPELINE_DEPTH
+    return best if times[best] < (1 - MARGIN) * times[default] else default
 
 
-def ranges(choices: list[tuple[int, int]]) -> list[list]:
-    """[(tokens, depth)] measured → [[max_tokens, depth], ..., [None, depth]]."""
+def ranges(choices: list[tuple[int, Launch]]) -> list[list]:
+    """[(tokens, launch)] measured → [[max_tokens, depth, tile], ..., [None, depth, tile]]."""
     out: list[list] = []
-    for i, (tokens, depth) in enumerate(choices):
+    for i, (tokens, launch) in enumerate(choices):
         upto = None if i + 1 == len(choices) else int(math.sqrt(tokens * choices[i + 1][0]))
-        if out and out[-1][1] == depth:
+        if out and out[-1][1:] == list(launch):
             out[-1][0] = upto
         else:
-            out.append([upto, depth])
+            out.append([upto, *launch])
     return out
 
 
@@ -92,11 +96,11 @@ def main() -> int:
     for v in variants:
         picks, measured = [], {}
         for t in tokens:
-            times = time_depths(v, t)
+            times = time_launches(v, t)
             picks.append((t, choose(times)))
-            measured[str(t)] = {str(d): round(us, 3) for d, us in times.items()}
-            print(f"{v.uri} T={t}: " + "  ".join(f"depth {d} {us:.2f} us" for d, us in times.items())
-                  + f"  -> {picks[-1][1]}", flush=True)
+            measured[str(t)] = {f"depth{d}-tile{k}": round(us, 3) for (d, k), us in times.items()}
+            print(f"{v.uri} T={t}: " + "  ".join(f"d{d}t{k} {us:.2f} us" for (d, k), us in times.items())
+                  + f"  -> depth {picks[-1][1].depth} tile {picks[-1][1].tile}", flush=True)
         table["choices"][v.uri] = ranges(picks)
         table["measured_us"][v.uri] = measured
     parse(table, "tuner output")  # what the runtime will accept

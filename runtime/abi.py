@@ -17,6 +17,8 @@ def _header_define(name: str) -> int:
 ABI_VERSION = _header_define("KVF_ABI_VERSION")
 MAX_PIPELINE_DEPTH = _header_define("KVF_MAX_PIPELINE_DEPTH")
 DEFAULT_PIPELINE_DEPTH = _header_define("KVF_DEFAULT_PIPELINE_DEPTH")
+MAX_TOKENS_PER_TILE = _header_define("KVF_MAX_TOKENS_PER_TILE")
+DEFAULT_TOKENS_PER_TILE = _header_define("KVF_DEFAULT_TOKENS_PER_TILE")
 
 
 class CacheArg(ctypes.Structure):
@@ -51,6 +53,7 @@ class Args(ctypes.Structure):
         ("num_index_heads", ctypes.c_int32),
         ("eps", ctypes.c_float),
         ("pipeline_depth", ctypes.c_int32),
+        ("tokens_per_tile", ctypes.c_int32),
     ]
 
 

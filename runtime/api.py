@@ -37,7 +37,7 @@ class _Plan:
         self.pages = {role: (access(variant, role).runtime_dim, access(variant, role).page_size)
                       for role in ("k", "v", "index")}
         table = tuning.table_for(torch.cuda.get_device_name(device_index))
-        self.depths = table.choices.get(variant.uri, ()) if table else ()  # tuned, by token range
+        self.launches = table.choices.get(variant.uri, ()) if table else ()  # tuned, by token range
 
 
 _PLANS: dict = {}  # (variant, device index) -> _Plan
@@ -74,11 +74,12 @@ def _cache_arg(dst, cache: Optional[Tensor], dims: tuple[int, int]) -> None:
 
 def _args(plan: _Plan, t: reference.Tensors) -> Args:
     ptr = lambda x: x.data_ptr() if x is not None else None  # noqa: E731
+    launch = tuning.pick(plan.launches, t.qkv.shape[0])
     a = Args(qkv_row_stride=t.qkv.stride(0), max_pos=t.cos_sin_cache.shape[0],
              num_slots=t.slot_mapping.numel(),
              num_index_slots=t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0,
              num_tokens=t.qkv.shape[0], num_heads=t.num_heads, num_index_heads=t.num_index_heads,
-             eps=t.eps, pipeline_depth=tuning.pick(plan.depths, t.qkv.shape[0]))
+             eps=t.eps, pipeline_depth=launch.depth, tokens_per_tile=launch.tile)
     for field, name in _POINTERS:
         setattr(a, field, ptr(getattr(t, name)))
     for field, role in _CACHES:
@@ -131,16 +132,17 @@ def _prepared(variant, t: reference.Tensors) -> tuple[_Plan, Args, int]:
     return plan, _args(plan, t), device_index
 
 
-def launch_at_depth(depth: int, toolchain: Optional[Toolchain] = None, **kwargs) -> Callable[[], None]:
+def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **kwargs) -> Callable[[], None]:
     """For the tuner and the tests: validate a GPU call once and return a function that
-    launches it at pipeline depth `depth` (1..KVF_MAX_PIPELINE_DEPTH), on the current
-    stream, with the variant's library as `toolchain` builds it (default: the runtime's)."""
+    launches it as `launch` says (pipeline depth 1..KVF_MAX_PIPELINE_DEPTH, tokens per
+    tile 1..KVF_MAX_TOKENS_PER_TILE; 0: the default), on the current stream, with the
+    variant's library as `toolchain` builds it (default: the runtime's)."""
     if kwargs.get("q_out") is None:
-        raise ValueError("q_out: launch_at_depth needs the outputs allocated")
+        raise ValueError("q_out: launch_with needs the outputs allocated")
     params = inspect.signature(fused_qknorm_rope_cache).parameters
     variant, t = check(**{name: kwargs.get(name, params[name].default) for name in _ARG_NAMES})
     plan, a, device_index = _prepared(variant, t)
-    a.pipeline_depth = depth
+    a.pipeline_depth, a.tokens_per_tile = launch
     lib = REGISTRY.get(variant, toolchain) if toolchain else plan.lib
     return functools.partial(_launch, lib.launch, a, device_index)
 

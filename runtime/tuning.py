@@ -1,15 +1,18 @@
-"""Tuned launch choices: the main loop's pipeline depth per variant and token range.
+"""Tuned launch choices: the main loop's pipeline depth and token tile, per variant and
+token range.
 
-Which depth is fastest depends on the shape: a deeper pipeline hides more memory
-latency on long runs of tokens but costs registers and a longer start on short
-ones. `benchmarks/tune.py` times every depth a library holds (1..KVF_MAX_PIPELINE_DEPTH)
-on the GPU and writes tuning/<name>.json; the runtime only reads those files, so
-nothing is tuned at run time. A device or variant without an entry gets depth 0, the
-library's default.
+Which launch is fastest depends on the shape: a deeper pipeline hides more memory
+latency on long runs of tokens but costs registers and a longer start on short ones;
+two tokens per tile make a head's stores of both one instruction (whole sectors for
+SHUFFLE's K) but leave half the lanes idle on a one-token call. `benchmarks/tune.py`
+times every depth a library holds (1..KVF_MAX_PIPELINE_DEPTH) with every tile
+(1..KVF_MAX_TOKENS_PER_TILE) on the GPU and writes tuning/<name>.json; the runtime
+only reads those files, so nothing is tuned at run time. A device or variant without
+an entry gets 0 for both, the library's defaults.
 
 File format: {"device": "<torch.cuda.get_device_name()>", "command": "...",
-"choices": {"<variant uri>": [[max_tokens, depth], ..., [null, depth]]}}, ranges
-ascending, the last one open.
+"choices": {"<variant uri>": [[max_tokens, depth, tile], ..., [null, depth, tile]]}},
+ranges ascending, the last one open.
 """
 from __future__ import annotations
 
@@ -17,13 +20,24 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from codegen.paths import TUNED
 
-from .abi import DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH
+from .abi import DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE
 
-Ranges = tuple[tuple[Optional[int], int], ...]  # ((max_tokens or None, depth), ...)
+
+class Launch(NamedTuple):
+    """One launch configuration; 0 in a field means the library's default."""
+    depth: int
+    tile: int
+
+    def resolved(self) -> "Launch":
+        return Launch(self.depth or DEFAULT_PIPELINE_DEPTH, self.tile or DEFAULT_TOKENS_PER_TILE)
+
+
+DEFAULT = Launch(0, 0)
+Ranges = tuple[tuple[Optional[int], Launch], ...]  # ((max_tokens or None, launch), ...)
 
 
 class TuningError(ValueError):
@@ -35,15 +49,15 @@ class Table:
     device: str
     choices: dict[str, Ranges]
 
-    def depth(self, uri: str, tokens: int) -> int:
+    def launch(self, uri: str, tokens: int) -> Launch:
         return pick(self.choices.get(uri, ()), tokens)
 
 
-def pick(ranges: Ranges, tokens: int) -> int:
-    for upto, depth in ranges:
+def pick(ranges: Ranges, tokens: int) -> Launch:
+    for upto, launch in ranges:
         if upto is None or tokens <= upto:
-            return depth
-    return 0
+            return launch
+    return DEFAULT
 
 
 def parse(data, where: str) -> Table:
@@ -56,19 +70,22 @@ def parse(data, where: str) -> Table:
     out: dict[str, Ranges] = {}
     for uri, ranges in choices.items():
         if not isinstance(ranges, list) or not ranges:
-            raise TuningError(f"{where}: {uri}: expected a list of [max_tokens, depth] pairs")
+            raise TuningError(f"{where}: {uri}: expected a list of [max_tokens, depth, tile] entries")
         parsed, last = [], 0
         for i, item in enumerate(ranges):
-            ok = isinstance(item, list) and len(item) == 2
-            upto, depth = item if ok else (None, None)
+            ok = isinstance(item, list) and len(item) == 3
+            upto, depth, tile = item if ok else (None, None, None)
             open_end = upto is None and i == len(ranges) - 1
             if not ok or not (open_end or (type(upto) is int and upto > last)):
-                raise TuningError(f"{where}: {uri}: range {i}: expected [max_tokens > {last}, depth] "
+                raise TuningError(f"{where}: {uri}: range {i}: expected [max_tokens > {last}, depth, tile] "
                                   f"(max_tokens null only in the last), got {item!r}")
             if type(depth) is not int or not 1 <= depth <= MAX_PIPELINE_DEPTH:
                 raise TuningError(f"{where}: {uri}: range {i}: depth must be 1..{MAX_PIPELINE_DEPTH}, "
                                   f"got {depth!r}")
-            parsed.append((upto, depth))
+            if type(tile) is not int or not 1 <= tile <= MAX_TOKENS_PER_TILE:
+                raise TuningError(f"{where}: {uri}: range {i}: tile must be 1..{MAX_TOKENS_PER_TILE}, "
+                                  f"got {tile!r}")
+            parsed.append((upto, Launch(depth, tile)))
             last = upto if upto is not None else last
         out[uri] = tuple(parsed)
     return Table(device=data["device"], choices=out)
@@ -102,7 +119,7 @@ def table_for(device: str, root: Path = TUNED) -> Optional[Table]:
     return parse(found[0][1], str(found[0][0])) if found else None
 
 
-def depth_used(device: str, uri: str, tokens: int) -> int:
-    """The depth a call of `tokens` tokens runs at on `device` (for reports)."""
+def launch_used(device: str, uri: str, tokens: int) -> Launch:
+    """The launch a call of `tokens` tokens gets on `device`, defaults resolved (for reports)."""
     table = table_for(device)
-    return (table.depth(uri, tokens) if table else 0) or DEFAULT_PIPELINE_DEPTH
+    return (table.launch(uri, tokens) if table else DEFAULT).resolved()

@@ -1,4 +1,5 @@
 """Toolchain detection, the build cache and the registry (nvcc needed, no GPU)."""
+import ctypes
 import os
 import shutil
 import subprocess
@@ -158,3 +159,34 @@ def test_rocm_arch_comes_from_the_device(monkeypatch):
     tc = toolchain.detect(is_rocm=True, which=fake_which({"hipcc": "/opt/rocm/bin/hipcc"}),
                           run=lambda cmd: HIPCC_OUT, env={})
     assert tc.arch == "gfx942" and "--offload-arch=gfx942" in tc.flags
+
+
+def test_the_ctypes_mirror_matches_the_c_abi(tmp_path):
+    """runtime/abi.py lays out kvf_args_t as the C compiler does (the loader checks only
+    the version): the header's fields in order, then every offset and the size as the host
+    C compiler prints them."""
+    import re
+
+    from runtime.abi import Args, CacheArg
+
+    header = re.sub(r"//[^\n]*", "", (ROOT / "include" / "kvforge" / "abi.h").read_text())
+    for struct in (CacheArg, Args):
+        name = "kvf_cache_t" if struct is CacheArg else "kvf_args_t"
+        body = re.search(r"typedef struct \{([^{}]*)\} " + name + ";", header)[1]
+        declared = re.findall(r"(\w+)(?:\[\w+\])?;", body)
+        assert [f for f, _ in struct._fields_] == declared, name
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no host C compiler")
+    fields = [("kvf_cache_t", name) for name, _ in CacheArg._fields_] + \
+             [("kvf_args_t", name) for name, _ in Args._fields_]
+    prints = "".join(f'  printf("%zu\\n", offsetof({t}, {f}));\n' for t, f in fields)
+    src = tmp_path / "abi.c"
+    src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "kvforge/abi.h"\nint main(void) {\n'
+                   f'{prints}  printf("%zu\\n%zu\\n", sizeof(kvf_cache_t), sizeof(kvf_args_t));\n  return 0;\n}}\n')
+    exe = tmp_path / "abi"
+    subprocess.run([cc, "-I", str(ROOT / "include"), str(src), "-o", str(exe)], check=True)
+    got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    want = [getattr(CacheArg if t == "kvf_cache_t" else Args, f).offset for t, f in fields] + \
+           [ctypes.sizeof(CacheArg), ctypes.sizeof(Args)]
+    assert got == want, [(f, g, w) for (_, f), g, w in zip(fields + [("", "sizeof")] * 2, got, want) if g != w]

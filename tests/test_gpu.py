@@ -9,10 +9,11 @@ import torch
 from codegen.model import IndexMode
 from codegen.paths import INCLUDE
 from runtime import build, fused_qknorm_rope_cache, toolchain
-from runtime.abi import MAX_PIPELINE_DEPTH
-from runtime.api import launch_at_depth
+from runtime.abi import MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE
+from runtime.api import launch_with
 from runtime.registry import spec, source_of
 from runtime.testing import check_against_reference, make_inputs, poison, with_outputs
+from runtime.tuning import Launch
 
 pytestmark = pytest.mark.gpu
 VARIANTS = spec().variants
@@ -30,6 +31,11 @@ CASES = [
     pytest.param(1000, 8, 4, "prefill", 0, {"num_slots": 990, "extra_pages": 0}, id="t1000-short-slots"),
     pytest.param(64, 64, 4, "decode", 5, {"extra_pages": 0}, id="t64-tp1-decode"),
 ]
+
+
+# Every launch configuration a tuned table may pick.
+LAUNCHES = [pytest.param(Launch(d, t), id=f"depth{d}-tile{t}")
+            for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in range(1, MAX_TOKENS_PER_TILE + 1)]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -59,18 +65,18 @@ def test_variant_matches_reference(variant, tokens, nq, niq, slots, pad, opts):
     assert stats["q_out"]["addressed"] == tokens * nq * variant.head_dim
 
 
-@pytest.mark.parametrize("depth", range(1, MAX_PIPELINE_DEPTH + 1))
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.uri)
-def test_every_pipeline_depth_matches_reference(variant, depth):
-    """The tuned table may pick any depth a library holds, for any token count. 4000
-    tokens of 8 q heads are at least two passes of a one-wave grid for every head_dim
-    (an H200 holds 2 or 3 x 132 blocks of 256 threads: at most ~1700 tokens per pass),
-    so each thread runs the pipeline through several tokens, the last ones padded or
-    past the slots."""
+def test_every_launch_configuration_matches_reference(variant, launch):
+    """The tuned table may pick any depth a library holds and any tile, for any token
+    count. 3999 tokens of 8 q heads are at least two passes of a one-wave grid for every
+    head_dim (an H200 holds 2 or 3 x 132 blocks of 256 threads: at most ~1700 tokens per
+    pass), so each thread runs the pipeline through several tokens, the last ones padded,
+    past the slots, or (two per tile) alone in their tile."""
     niq = 0 if variant.index_mode is IndexMode.NONE else 2
-    args = make_inputs(variant, 4000, 8, niq, slots="prefill", pad=7, device="cuda", seed=21,
+    args = make_inputs(variant, 3999, 8, niq, slots="prefill", pad=7, device="cuda", seed=21,
                        cos_sin="random", num_slots=3990)
-    check_against_reference(args, lambda **a: launch_at_depth(depth, **a)(), ref_device="cuda")
+    check_against_reference(args, lambda **a: launch_with(launch, **a)(), ref_device="cuda")
 
 
 @pytest.fixture(scope="module")
@@ -83,15 +89,15 @@ def register_pipeline():
     return tc
 
 
-@pytest.mark.parametrize("depth", range(1, MAX_PIPELINE_DEPTH + 1))
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.uri)
-def test_register_pipeline_matches_reference(variant, depth, register_pipeline):
+def test_register_pipeline_matches_reference(variant, launch, register_pipeline):
     """AMD's pipeline, run: several tokens per thread (see above), the last ones padded,
     past the slots, or past the end, where its row loads repeat the last row."""
     niq = 0 if variant.index_mode is IndexMode.NONE else 2
-    args = make_inputs(variant, 4000, 8, niq, slots="prefill", pad=7, device="cuda", seed=22,
+    args = make_inputs(variant, 3999, 8, niq, slots="prefill", pad=7, device="cuda", seed=22,
                        cos_sin="random", num_slots=3990)
-    check_against_reference(args, lambda **a: launch_at_depth(depth, register_pipeline, **a)(),
+    check_against_reference(args, lambda **a: launch_with(launch, register_pipeline, **a)(),
                             ref_device="cuda")
 
 

@@ -4,10 +4,12 @@
 
 #include <stdint.h>
 
-#define KVF_ABI_VERSION 2
+#define KVF_ABI_VERSION 3
 #define KVF_MAX_DIMS 8
 #define KVF_MAX_PIPELINE_DEPTH 2      // a library holds the main loop at depths 1..this
-#define KVF_DEFAULT_PIPELINE_DEPTH 2  // the depth a call naming 0 gets
+#define KVF_DEFAULT_PIPELINE_DEPTH 1  // the depth a call naming 0 gets
+#define KVF_MAX_TOKENS_PER_TILE 2     // tokens whose head lanes a tile sets side by side: 1..this
+#define KVF_DEFAULT_TOKENS_PER_TILE 2  // what a call naming 0 gets
 
 #ifdef __cplusplus
 extern "C" {
@@ -45,6 +47,7 @@ typedef struct {
   int32_t num_index_heads;
   float eps;
   int32_t pipeline_depth;           // tokens a thread loads ahead (1..KVF_MAX_PIPELINE_DEPTH; 0 = default)
+  int32_t tokens_per_tile;          // 1..KVF_MAX_TOKENS_PER_TILE; 0 = default
 } kvf_args_t;
 
 #ifdef __cplusplus

@@ -8,8 +8,8 @@
 // Work split: a main-loop lane holds two 16-byte chunks of one head (a chunk and its
 // RoPE partner where the rotary halves allow), so one head of D dims is D/16 adjacent
 // lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction is
-// a shuffle butterfly inside the group. Tokens go to threads in pairs, the two tokens'
-// groups of each head side by side. A main-loop thread keeps one head lane for every
+// a shuffle butterfly inside the group. Tokens go to threads in tiles of one or two
+// (tuned), the tile's groups of each head side by side. A main-loop thread keeps one head lane for every
 // token it visits and requests the next tokens' rows (RowPipe) while computing the
 // current. V of a layout that scatters one token's dims (SHUFFLE) goes,
 // from kVLoopMinTokens tokens on, to a second loop every thread runs after the main
@@ -46,7 +46,8 @@ constexpr int kVLoopMinTokens = 256;
 struct Dims {
   int32_t main_kv_heads;      // K and V heads per token in the main loop: 2 nkv, or nkv when V is the V loop's
   int32_t lanes_per_token;    // main loop: heads handled per token * lanes per head
-  int64_t tokens_per_pass;    // tokens the main loop's threads cover side by side (even: whole pairs)
+  int32_t tile;               // tokens whose lanes of a head sit side by side (1 or 2)
+  int64_t tokens_per_pass;    // tokens the main loop's threads cover at once (whole tiles)
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
   int64_t v_groups;           // groups of kVGroup tokens the V loop writes (the last may be partial)
 };
@@ -390,13 +391,14 @@ struct Fused {
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
     const bool idle = gid >= tpp * dims.lanes_per_token;  // whole head groups idle together
-    // Threads take tokens in pairs (2p, 2p + 1), each head's group of token 2p beside that
-    // of token 2p + 1, so one store instruction writes a head's vectors of both: whole
-    // sectors where a layout puts consecutive slots' vectors next to each other (SHUFFLE's
-    // K, 16 bytes each), nearby lines elsewhere. 2-20% faster at 65536 tokens (NOTES).
-    const int64_t pair_lanes = 2 * int64_t(dims.lanes_per_token);
-    const int in_pair = static_cast<int>(gid % pair_lanes);
-    const int within = in_pair / (2 * LANES) * LANES + in_pair % LANES;  // lane of the token's row
+    // Threads take tokens in tiles of dims.tile: with 2, each head's group of token 2p
+    // sits beside that of token 2p + 1, so one store instruction writes a head's vectors
+    // of both: whole sectors where a layout puts consecutive slots' vectors next to each
+    // other (SHUFFLE's K, 16 bytes each), nearby lines elsewhere. 2-20% faster at 65536
+    // tokens; short SHUFFLE calls at TP1 are faster one token per tile (tuned, NOTES).
+    const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
+    const int in_tile = static_cast<int>(gid % tile_lanes);
+    const int within = in_tile / (dims.tile * LANES) * LANES + in_tile % LANES;  // lane of the token's row
     const int lane = within % LANES;
     const Role r = role_of(within / LANES, a.num_heads, a.num_index_heads, dims.main_kv_heads);
     const int row_head = row_head_of(within / LANES, a.num_heads, dims.main_kv_heads);
@@ -408,7 +410,7 @@ struct Fused {
     const bool needs_cs = kAlignedHalves && r.kind != kV && lane < kRotLanes;
     const char* row0 = static_cast<const char*>(a.qkv) + (int64_t(row_head) * D + d0[0]) * 2;
     const int64_t gap = int64_t(d0[1] - d0[0]) * 2;
-    const int64_t first = 2 * (gid / pair_lanes) + in_pair / LANES % 2;  // the thread's first token
+    const int64_t first = dims.tile * (gid / tile_lanes) + in_tile / LANES % dims.tile;  // the thread's first token
     // Copies into shared memory go out only for tokens the loop processes, so none is
     // still in flight when the thread returns.
     int64_t t_req = first;
@@ -432,6 +434,32 @@ struct Fused {
       m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
       m.cs = needs_cs && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, lane * kVec) : CosSinRaw{};
     };
+    // While the previous kernel runs, warm L2 with what the first token needs: its row
+    // chunks, position and slot, the cos/sin row at the position as read now (the
+    // previous kernel may still change it: then this only wastes a prefetch), and the
+    // norm weights (one block asks for those shared lines). Rows in DRAM come sooner
+    // after the wait (TP8, 1024 tokens: 4.6 -> 4.1 us, NOTES); nothing read here is used.
+    if (!idle && first < a.num_tokens) {
+      prefetch_l2(row0 + first * a.qkv_row_stride * 2);
+      prefetch_l2(row0 + first * a.qkv_row_stride * 2 + gap);
+      prefetch_l2(a.positions + first);
+      if (has_slot && first < nslots) prefetch_l2(slots + first);
+      if (needs_cs) {
+        const int64_t p = load_l2(a.positions + first);
+        if (p >= 0 && p < a.max_pos) {
+          const char* row = static_cast<const char*>(a.cos_sin) + p * R * CS::kBytes;
+          prefetch_l2(row + lane * kVec * CS::kBytes);
+          prefetch_l2(row + (HALF + lane * kVec) * CS::kBytes);
+        }
+      }
+    }
+    constexpr int kWeightLines = (D * 2 + 127) / 128;  // 128-byte lines per norm weight
+    if (block == 0 && threadIdx.x < 4 * kWeightLines) {
+      const int k = threadIdx.x / kWeightLines;
+      const void* w = k == 0 ? a.q_norm_weight : k == 1 ? a.k_norm_weight
+                    : !kIndex ? nullptr : k == 2 ? a.index_q_norm_weight : a.index_k_norm_weight;
+      if (w) prefetch_l2(static_cast<const char*>(w) + threadIdx.x % kWeightLines * 128);
+    }
     // Launched as a dependent of the previous kernel (see fused_kernel): the first global
     // access. Everything above is arithmetic on the arguments, overlapping its tail.
     wait_prior_grid();
@@ -668,14 +696,15 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
       per_sm = b;
   }
   const int64_t cap = int64_t(dev < 64 && sm_count[dev] ? sm_count[dev] : 132) * (per_sm > 0 ? per_sm : 1);
-  const int64_t pair_lanes = 2 * int64_t(dims.lanes_per_token);  // threads take tokens in pairs
-  const int64_t total_main = (int64_t(a->num_tokens) + 1) / 2 * pair_lanes;
+  dims.tile = a->tokens_per_tile ? a->tokens_per_tile : KVF_DEFAULT_TOKENS_PER_TILE;
+  const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
+  const int64_t total_main = (int64_t(a->num_tokens) + dims.tile - 1) / dims.tile * tile_lanes;
   int64_t blocks = (total_main + kBlock - 1) / kBlock;
   if (blocks > cap) blocks = cap;
-  // Every main-loop thread keeps one head lane; at least one pair's worth of them.
-  const int64_t min_blocks = (pair_lanes + kBlock - 1) / kBlock;
+  // Every main-loop thread keeps one head lane; at least one tile's worth of them.
+  const int64_t min_blocks = (tile_lanes + kBlock - 1) / kBlock;
   if (blocks < min_blocks) blocks = min_blocks;
-  dims.tokens_per_pass = blocks * kBlock / pair_lanes * 2;
+  dims.tokens_per_pass = blocks * kBlock / tile_lanes * dims.tile;
   return int(launch_kernel(fused_kernel<VT, kDepth>, static_cast<unsigned>(blocks), kBlock,
                            static_cast<hipStream_t>(stream), dependent_launch_supported(dev), *a, dims));
 }
@@ -693,6 +722,7 @@ int launch_depth(const kvf_args_t* a, void* stream, int depth) {
 template <class VT>
 int launch(const kvf_args_t* a, void* stream) {
   if (a->num_tokens <= 0) return 0;
+  if (a->tokens_per_tile < 0 || a->tokens_per_tile > KVF_MAX_TOKENS_PER_TILE) return int(hipErrorInvalidValue);
   return launch_depth<VT>(a, stream, a->pipeline_depth ? a->pipeline_depth : KVF_DEFAULT_PIPELINE_DEPTH);
 }
 

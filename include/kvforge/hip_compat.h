@@ -80,9 +80,9 @@ KVF_DEVICE T shfl(T v, int src_lane) {
 // ---- programmatic dependent launch (NVIDIA sm_90+) ------------------------------------
 // A kernel launched with it may start while the previous kernel of the stream still runs.
 // wait_prior_grid() returns once that kernel has finished and its writes are visible, so
-// no global memory may be touched before it; allow_next_grid() lets the next kernel begin
-// launching (it waits for this one in its own wait_prior_grid). Elsewhere both are no-ops
-// and launches are plain.
+// nothing read before it may be used (only prefetch_l2 / load_l2 below go out before it);
+// allow_next_grid() lets the next kernel begin launching (it waits for this one in its
+// own wait_prior_grid). Elsewhere both are no-ops and launches are plain.
 KVF_DEVICE void wait_prior_grid() {
 #if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -92,6 +92,27 @@ KVF_DEVICE void wait_prior_grid() {
 KVF_DEVICE void allow_next_grid() {
 #if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Before wait_prior_grid() a kernel may only warm L2 for what it will read after it:
+// prefetch_l2 asks for a line without keeping anything in the SM (L2 is coherent with
+// the previous kernel's writes, L1 is not), and load_l2 reads through L2 only, for
+// addresses of further prefetches (its value may be stale; nothing else may use it).
+KVF_DEVICE void prefetch_l2(const void* p) {
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+
+KVF_DEVICE int64_t load_l2(const int64_t* p) {
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return __ldcg(reinterpret_cast<const long long*>(p));
+#else
+  (void)p;
+  return -1;
 #endif
 }
 
