@@ -341,6 +341,53 @@ struct Fused {
     }
   }
 
+  // NVIDIA stages a scattered V head through shared memory (put_v_by_dim). AMD keeps the
+  // direct stores: there the next rows wait in registers across this code, and staging
+  // took ~38 more VGPRs (130 -> 168, the cap for three blocks) and spilled; unmeasured there.
+#ifdef KVF_HIP
+  static constexpr bool kStageV = false;
+#else
+  static constexpr bool kStageV = kVTransposed;
+#endif
+
+  // One token's V head into a layout that keeps no two of its dims together (SHUFFLE:
+  // each value is its own store, its dims a vector apart). Written as held, a store
+  // instruction's lanes would land a chunk (8 vectors) apart, each in its own line; the
+  // group instead stages the head's row in shared memory and its lanes write adjacent
+  // dims, so each instruction fills whole lines (TP1, 128 decode tokens: 6.4 -> 4.5 us,
+  // NOTES). All lanes of the group call this (one token, one slot).
+  static KVF_DEVICE void put_v_by_dim(const kvf_cache_t& c, float inv, int64_t slot, uint32_t h, int lane,
+                                      const uint32_t (&d0)[2], const uint4 (&x)[2], const float (&f)[2][kVec]) {
+    using C = typename VT::V;
+    constexpr int EB = C::kElemBytes;
+    constexpr int kRowBytes = D * EB + 16;  // padded: the warp's groups read other banks
+    __shared__ __align__(16) unsigned char rows[kBlock / LANES][kRowBytes];
+    unsigned char* row = rows[threadIdx.x / LANES];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if constexpr (kKvFp8) {
+        uint32_t w[2];
+        pack_fp8<VT::kFp8, VT::kSaturateKv>(f[i], inv, w);
+        store_bytes<8>(row + d0[i], w, 0);
+      } else {
+        const uint32_t w[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
+        store_bytes<16>(row + d0[i] * 2, w, 0);
+      }
+    }
+    group_sync<LANES>();
+    const int64_t page = slot / C::kPageSize;
+    const uint32_t off = static_cast<uint32_t>(slot % C::kPageSize);
+    char* base = static_cast<char*>(c.data);
+#pragma unroll
+    for (int s = 0; s < 2 * kVec; ++s) {
+      const uint32_t d = s * LANES + lane;
+      uint32_t v[1];
+      v[0] = EB == 1 ? row[d] : *reinterpret_cast<const uint16_t*>(row + 2 * d);
+      store_bytes<EB>(base + C::offset(c, page, off, h, d) * EB, v, 0);
+    }
+    group_sync<LANES>();  // every read done before the group's next token overwrites the row
+  }
+
   // What a main-loop thread is: one lane of one head of the row, the same for every
   // token it visits, so its role, dims and branches are settled once.
   struct Role {
@@ -514,10 +561,14 @@ struct Fused {
     unpack8<M>(x[1], f[1]);
     if (kind == kV) {
       if (!slot_ok<typename VT::V>(a.v_cache, slot)) return;
+      if constexpr (kStageV) {
+        put_v_by_dim(a.v_cache, kv_inv, slot, head, lane, d0, x, f);
+      } else {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint32_t bits[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
-        put_kv<typename VT::V>(a.v_cache, kv_inv, slot, head, d0[i], f[i], bits);
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t bits[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
+          put_kv<typename VT::V>(a.v_cache, kv_inv, slot, head, d0[i], f[i], bits);
+        }
       }
       return;
     }

@@ -77,6 +77,18 @@ KVF_DEVICE T shfl(T v, int src_lane) {
 #endif
 }
 
+// Orders a group's shared-memory writes before its lanes' reads of them (the group runs
+// together, so this is a fence, not a wait for stragglers). NVIDIA only: its one caller
+// (the kernel's put_v_by_dim, see kStageV) is not instantiated for AMD.
+template <int Width>
+KVF_DEVICE void group_sync() {
+#ifdef KVF_CUDA
+  __syncwarp(group_mask<Width>());
+#else
+  static_assert(Width < 0, "group_sync is not defined for AMD");
+#endif
+}
+
 // ---- programmatic dependent launch (NVIDIA sm_90+) ------------------------------------
 // A kernel launched with it may start while the previous kernel of the stream still runs.
 // wait_prior_grid() returns once that kernel has finished and its writes are visible, so
