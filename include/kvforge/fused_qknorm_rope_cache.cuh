@@ -9,12 +9,13 @@
 // RoPE partner where the rotary halves allow), so one head of D dims is D/16 adjacent
 // lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction is
 // a shuffle butterfly inside the group. Tokens go to threads in tiles of one or two
-// (tuned), the tile's groups of each head side by side. A main-loop thread keeps one head lane for every
-// token it visits and requests the next tokens' rows (RowPipe) while computing the
-// current. V of a layout that scatters one token's dims (SHUFFLE) goes,
-// from kVLoopMinTokens tokens on, to a second loop every thread runs after the main
-// one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
-// prefill runs, transposes them in registers into vector stores.
+// (tuned), the tile's groups of each head side by side. A main-loop thread keeps one
+// head lane for every token it visits and requests the next tokens' rows (RowPipe)
+// while computing the current. V of a layout that scatters one token's dims (SHUFFLE)
+// goes, from kVLoopMinTokens tokens on, to a second loop every thread runs after the
+// main one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
+// prefill runs, transposes them in registers into vector stores; shorter calls write it
+// in the main loop, a head's row staged in shared memory (put_v_by_dim).
 #pragma once
 
 #include "kvforge/abi.h"
