@@ -139,13 +139,13 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
     stats = check_against_reference(sets[0], fused_qknorm_rope_cache, ref_device="cuda")
     identical = min(s["identical"] for s in stats.values())
     ours = [functools.partial(fused_qknorm_rope_cache, **sets[i % n_sets]) for i in range(n_calls)]
+    launch = tuning.launch_used(torch.cuda.get_device_name(), v.uri, tokens)
     rec = {
         "contract": v.contract.name, "variant": v.uri, "tp": tp, "tokens": tokens, "slots": slots,
         "dtype": "bf16", "kv": v.kv_scale.value, "index": v.index_dtype.value if v.index_dtype else None,
         "bytes": nbytes, "input_sets": n_sets, "calls_per_graph": n_calls,
         "identical_min": identical,
-        **dict(zip(("pipeline_depth", "tokens_per_tile"),
-                   tuning.launch_used(torch.cuda.get_device_name(), v.uri, tokens))),
+        "pipeline_depth": launch.depth, "tokens_per_tile": launch.tile,
         "us": graph_us(ours),
         "us_event_per_call": statistics.median(events_ms(ours[0], 30)) * 1e3,
     }

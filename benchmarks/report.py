@@ -52,7 +52,7 @@ def _run_section(name: str, result: dict) -> list[str]:
         for r in (r for r in recs if r["config"] == config):
             e, c = r.get("eager_us"), r.get("compile_us")
             lines.append(
-                f"| {r['tp']} | {r['tokens']} | {r['slots']} | {r.get('pipeline_depth') or 'default'} | {r.get('tokens_per_tile', '–')} | {r['us']:.2f} | {r['us_event_per_call']:.1f} | "
+                f"| {r['tp']} | {r['tokens']} | {r['slots']} | {r['pipeline_depth']} | {r['tokens_per_tile']} | {r['us']:.2f} | {r['us_event_per_call']:.1f} | "
                 f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | {_fmt(e)} | {_fmt(c)} | "
                 f"{_fmt(e / r['us'] if e else None)} | {_fmt(c / r['us'] if c else None)} |")
         lines.append("")

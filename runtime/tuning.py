@@ -77,8 +77,10 @@ def parse(data, where: str) -> Table:
             upto, depth, tile = item if ok else (None, None, None)
             open_end = upto is None and i == len(ranges) - 1
             if not ok or not (open_end or (type(upto) is int and upto > last)):
+                hint = "; [max_tokens, depth] is the format before ABI 3: re-run benchmarks/tune.py" \
+                    if isinstance(item, list) and len(item) == 2 else ""
                 raise TuningError(f"{where}: {uri}: range {i}: expected [max_tokens > {last}, depth, tile] "
-                                  f"(max_tokens null only in the last), got {item!r}")
+                                  f"(max_tokens null only in the last), got {item!r}{hint}")
             if type(depth) is not int or not 1 <= depth <= MAX_PIPELINE_DEPTH:
                 raise TuningError(f"{where}: {uri}: range {i}: depth must be 1..{MAX_PIPELINE_DEPTH}, "
                                   f"got {depth!r}")

@@ -36,6 +36,14 @@ CASES = [
 # Every launch configuration a tuned table may pick.
 LAUNCHES = [pytest.param(Launch(d, t), id=f"depth{d}-tile{t}")
             for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in range(1, MAX_TOKENS_PER_TILE + 1)]
+# Calls that run a thread's pipeline through several tokens, each launch's grid being one
+# wave (an H200 holds 2 or 3 x 132 blocks of 256 threads): (tokens, q heads, slots,
+# padded tokens, slot-mapping length). 3999 tokens of 8 q heads are at least two passes
+# for every head_dim (at most ~1700 tokens per pass), a SHUFFLE V in the V loop; 200
+# decode tokens of 64 q heads (110-185 per pass at head_dim 128, fewer above) keep V in
+# the main loop, where a thread's second token reuses the row its group stages V through.
+MULTI_PASS = [pytest.param(3999, 8, "prefill", 7, 3990, id="t3999-prefill"),
+              pytest.param(200, 64, "decode", 5, 197, id="t200-tp1-decode")]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -65,17 +73,16 @@ def test_variant_matches_reference(variant, tokens, nq, niq, slots, pad, opts):
     assert stats["q_out"]["addressed"] == tokens * nq * variant.head_dim
 
 
+@pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", MULTI_PASS)
 @pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.uri)
-def test_every_launch_configuration_matches_reference(variant, launch):
+def test_every_launch_configuration_matches_reference(variant, launch, tokens, nq, slots, pad, num_slots):
     """The tuned table may pick any depth a library holds and any tile, for any token
-    count. 3999 tokens of 8 q heads are at least two passes of a one-wave grid for every
-    head_dim (an H200 holds 2 or 3 x 132 blocks of 256 threads: at most ~1700 tokens per
-    pass), so each thread runs the pipeline through several tokens, the last ones padded,
-    past the slots, or (two per tile) alone in their tile."""
+    count: each thread runs the pipeline through several tokens (MULTI_PASS), the last
+    ones padded, past the slots, or (two per tile) alone in their tile."""
     niq = 0 if variant.index_mode is IndexMode.NONE else 2
-    args = make_inputs(variant, 3999, 8, niq, slots="prefill", pad=7, device="cuda", seed=21,
-                       cos_sin="random", num_slots=3990)
+    args = make_inputs(variant, tokens, nq, niq, slots=slots, pad=pad, device="cuda", seed=21,
+                       cos_sin="random", num_slots=num_slots)
     check_against_reference(args, lambda **a: launch_with(launch, **a)(), ref_device="cuda")
 
 
@@ -89,14 +96,17 @@ def register_pipeline():
     return tc
 
 
+@pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", MULTI_PASS)
 @pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.uri)
-def test_register_pipeline_matches_reference(variant, launch, register_pipeline):
+def test_register_pipeline_matches_reference(variant, launch, tokens, nq, slots, pad, num_slots,
+                                             register_pipeline):
     """AMD's pipeline, run: several tokens per thread (see above), the last ones padded,
-    past the slots, or past the end, where its row loads repeat the last row."""
+    past the slots, or past the end, where its row loads repeat the last row; a SHUFFLE
+    V of a short call stored lane by lane, as AMD does (no staging without cp.async)."""
     niq = 0 if variant.index_mode is IndexMode.NONE else 2
-    args = make_inputs(variant, 3999, 8, niq, slots="prefill", pad=7, device="cuda", seed=22,
-                       cos_sin="random", num_slots=3990)
+    args = make_inputs(variant, tokens, nq, niq, slots=slots, pad=pad, device="cuda", seed=22,
+                       cos_sin="random", num_slots=num_slots)
     check_against_reference(args, lambda **a: launch_with(launch, register_pipeline, **a)(),
                             ref_device="cuda")
 

@@ -25,7 +25,7 @@ def test_pick_walks_the_ranges_and_defaults_to_zero():
     ({"v": []}, "v: expected a list of [max_tokens, depth, tile] entries"),
     ({"v": [[None, 1, 1], [None, 2, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile] (max_tokens null only in the last), got [None, 1, 1]"),
     ({"v": [[8, 1, 1], [8, 2, 1]]}, "v: range 1: expected [max_tokens > 8, depth, tile]"),
-    ({"v": [[8, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile] (max_tokens null only in the last), got [8, 1]"),
+    ({"v": [[8, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile] (max_tokens null only in the last), got [8, 1]; [max_tokens, depth] is the format before ABI 3: re-run benchmarks/tune.py"),
     ({"v": [[8, 0, 1]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got 0"),
     ({"v": [[8, True, 1]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got True"),
     ({"v": [[8, 1, 0]]}, f"v: range 0: tile must be 1..{MAX_TOKENS_PER_TILE}, got 0"),

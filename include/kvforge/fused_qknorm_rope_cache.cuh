@@ -15,7 +15,7 @@
 // goes, from kVLoopMinTokens tokens on, to a second loop every thread runs after the
 // main one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
 // prefill runs, transposes them in registers into vector stores; shorter calls write it
-// in the main loop, a head's row staged in shared memory (put_v_by_dim).
+// in the main loop (a head's row staged in shared memory where rows come by cp.async).
 #pragma once
 
 #include "kvforge/abi.h"
@@ -227,6 +227,11 @@ struct Fused {
 
   static KVF_DEVICE uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
+  // Position pos's row of the cos/sin cache.
+  static KVF_DEVICE const char* cos_sin_row(const void* cs, int64_t pos) {
+    return static_cast<const char*>(cs) + pos * R * CS::kBytes;
+  }
+
   // The cos and sin rows a lane needs, as loaded (unpacked only at use, so the loads
   // stay in flight while other tokens compute).
   struct CosSinRaw {
@@ -236,7 +241,7 @@ struct Fused {
   // 8 cos and 8 sin values for rotary index i0 (8-aligned) of position `pos`.
   static KVF_DEVICE CosSinRaw load_cos_sin(const void* cs, int64_t pos, int i0) {
     CosSinRaw r;
-    const char* row = static_cast<const char*>(cs) + pos * R * CS::kBytes;
+    const char* row = cos_sin_row(cs, pos);
     constexpr int kChunks = CS::kBytes == 4 ? 2 : 1;  // 16-byte chunks per 8 values
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
@@ -342,14 +347,13 @@ struct Fused {
     }
   }
 
-  // NVIDIA stages a scattered V head through shared memory (put_v_by_dim). AMD keeps the
-  // direct stores: there the next rows wait in registers across this code, and staging
-  // took ~38 more VGPRs (130 -> 168, the cap for three blocks) and spilled; unmeasured there.
-#ifdef KVF_HIP
-  static constexpr bool kStageV = false;
-#else
-  static constexpr bool kStageV = kVTransposed;
-#endif
+  // A scattered V head goes through shared memory (put_v_by_dim) where rows come by
+  // asynchronous copies. With the register pipeline (AMD) the next rows wait in registers
+  // across this code: on gfx942 staging took ~38 more VGPRs (130 -> 168, the cap for
+  // three blocks) and spilled, so there the lanes store directly (speed unmeasured).
+  static constexpr bool kStageV = kVTransposed && KVF_ASYNC_COPY;
+  static constexpr int kStageBytes = D * VT::V::kElemBytes + 16;  // a group's row, padded: the
+                                                                  // warp's groups read other banks
 
   // One token's V head into a layout that keeps no two of its dims together (SHUFFLE:
   // each value is its own store, its dims a vector apart). Written as held, a store
@@ -361,8 +365,7 @@ struct Fused {
                                       const uint32_t (&d0)[2], const uint4 (&x)[2], const float (&f)[2][kVec]) {
     using C = typename VT::V;
     constexpr int EB = C::kElemBytes;
-    constexpr int kRowBytes = D * EB + 16;  // padded: the warp's groups read other banks
-    __shared__ __align__(16) unsigned char rows[kBlock / LANES][kRowBytes];
+    __shared__ __align__(16) unsigned char rows[kBlock / LANES][kStageBytes];
     unsigned char* row = rows[threadIdx.x / LANES];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -429,7 +432,8 @@ struct Fused {
     constexpr int kCsAhead = kMeta >= 2 ? 1 : 0;
     __shared__ float norm_factors[4][D];
 #if KVF_ASYNC_COPY
-    static_assert(sizeof(float) * 4 * D + sizeof(typename RowPipe<kDepth>::Ring) <= 48 * 1024,
+    static_assert(sizeof(float) * 4 * D + sizeof(typename RowPipe<kDepth>::Ring) +
+                      (kStageV ? kBlock / LANES * kStageBytes : 0) <= 48 * 1024,
                   "static shared memory");
     __shared__ typename RowPipe<kDepth>::Ring rows;
     RowPipe<kDepth> pipe{rows};
@@ -495,7 +499,7 @@ struct Fused {
       if (needs_cs) {
         const int64_t p = load_l2(a.positions + first);
         if (p >= 0 && p < a.max_pos) {
-          const char* row = static_cast<const char*>(a.cos_sin) + p * R * CS::kBytes;
+          const char* row = cos_sin_row(a.cos_sin, p);
           prefetch_l2(row + lane * kVec * CS::kBytes);
           prefetch_l2(row + (HALF + lane * kVec) * CS::kBytes);
         }
@@ -508,8 +512,9 @@ struct Fused {
                     : !kIndex ? nullptr : k == 2 ? a.index_q_norm_weight : a.index_k_norm_weight;
       if (w) prefetch_l2(static_cast<const char*>(w) + threadIdx.x % kWeightLines * 128);
     }
-    // Launched as a dependent of the previous kernel (see fused_kernel): the first global
-    // access. Everything above is arithmetic on the arguments, overlapping its tail.
+    // Launched as a dependent of the previous kernel (see fused_kernel): past this, its
+    // writes are visible. Everything above, overlapping its tail, is arithmetic on the
+    // arguments and the L2 prefetches.
     wait_prior_grid();
 #pragma unroll
     for (int k = 0; k < kDepth; ++k) request_rows(k);
@@ -710,7 +715,7 @@ template <class VT, int kDepth>
 __global__ void __launch_bounds__(kBlock, min_blocks_per_sm(kDepth))
     fused_kernel(const KVF_GRID_CONSTANT kvf_args_t a, const Dims dims) {
   // Launched as a dependent of the previous kernel: main_loop calls wait_prior_grid()
-  // before its first global access (every thread, before the V loop too). The next
+  // before it reads anything (every thread, before the V loop too). The next
   // launch may begin now; it waits for this grid.
   allow_next_grid();
   const int block = static_cast<int>(blockIdx.x);

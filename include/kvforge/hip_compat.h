@@ -77,9 +77,9 @@ KVF_DEVICE T shfl(T v, int src_lane) {
 #endif
 }
 
-// Orders a group's shared-memory writes before its lanes' reads of them (the group runs
-// together, so this is a fence, not a wait for stragglers). NVIDIA only: its one caller
-// (the kernel's put_v_by_dim, see kStageV) is not instantiated for AMD.
+// Waits for the group's lanes and orders their shared-memory writes before their reads
+// of them. NVIDIA only: its one caller (the kernel's put_v_by_dim, see kStageV) is not
+// instantiated for AMD.
 template <int Width>
 KVF_DEVICE void group_sync() {
 #ifdef KVF_CUDA
