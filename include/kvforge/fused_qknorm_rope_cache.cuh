@@ -14,8 +14,9 @@
 // while computing the current. V of a layout that scatters one token's dims (SHUFFLE)
 // goes, from kVLoopMinTokens tokens on, to a second loop every thread runs after the
 // main one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
-// prefill runs, transposes them in registers into vector stores; shorter calls write it
-// in the main loop (a head's row staged in shared memory where rows come by cp.async).
+// prefill runs, transposes them in registers into vector stores (staged in shared memory,
+// where rows come by cp.async, so a store instruction writes adjacent vectors); shorter
+// calls write it in the main loop (a head's row staged the same way).
 #pragma once
 
 #include "kvforge/abi.h"
@@ -419,6 +420,37 @@ struct Fused {
     int64_t pos, slot;
   };
 
+  // Tokens per V-loop group (v_loop); its slots are one per lane of the head, so at most LPH.
+  static constexpr int kVGroup = cmin(cmin(VT::V::kSlotVec, 8), LPH);
+  static constexpr int kVRunBytes = kVGroup * VT::V::kElemBytes;  // one dim of a group's run
+
+  // A prefill run's V through shared memory. A lane holds the group's vectors of its 8
+  // dims; stored as held, one store instruction's lanes land 8 vectors apart, each in its
+  // own line. Staged, lane l stores dims s * LPH + l: adjacent vectors, whole lines (bf16
+  // SHUFFLE TP1, 65536 tokens: 757 -> 728 us, NOTES). Only whole 16-byte runs: FP8's
+  // groups write half vectors, which staging made no faster (805 -> 815 us).
+  static constexpr bool kStageVLoop = kStageV && kVRunBytes == 16;
+  // The stage keeps dim d in row d / 8 at column (d % 8) ^ (row % 8): a lane's writes (a
+  // row) and the reads of adjacent dims each spread over all banks.
+  static KVF_DEVICE uint32_t v_stage_pos(uint32_t d) { return (d & ~7u) | ((d ^ (d >> 3)) & 7u); }
+
+  // A block's shared memory: the main loop's norm factors and row ring, then (after a
+  // block barrier) the V loop's stage in the same bytes.
+  template <int kDepth>
+  struct MainSmem {
+    float norm_factors[4][D];
+#if KVF_ASYNC_COPY
+    typename RowPipe<kDepth>::Ring ring;
+#endif
+  };
+  template <int kDepth>
+  union Smem {
+    MainSmem<kDepth> main;
+    uint4 v_stage[kStageVLoop ? kBlock * kVec : 1];  // [group][dim] in v_stage_pos order
+  };
+  static_assert(sizeof(Smem<KVF_MAX_PIPELINE_DEPTH>) + (kStageV ? kBlock / LANES * kStageBytes : 0) <= 48 * 1024,
+                "static shared memory");
+
   // A thread's tokens go through a pipeline. Its two row chunks (the bulk of the bytes)
   // are requested kDepth tokens ahead of its math (RowPipe: on NVIDIA into a ring in
   // shared memory, by copies that hold no registers in flight, so the depth is bounded
@@ -427,16 +459,12 @@ struct Fused {
   // token ahead where the depth allows. Deeper costs a longer start: the best depth
   // depends on the shape.
   template <int kDepth>
-  static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block) {
+  static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block, Smem<kDepth>& smem) {
     constexpr int kMeta = kDepth < 2 ? kDepth : 2;
     constexpr int kCsAhead = kMeta >= 2 ? 1 : 0;
-    __shared__ float norm_factors[4][D];
+    float (&norm_factors)[4][D] = smem.main.norm_factors;
 #if KVF_ASYNC_COPY
-    static_assert(sizeof(float) * 4 * D + sizeof(typename RowPipe<kDepth>::Ring) +
-                      (kStageV ? kBlock / LANES * kStageBytes : 0) <= 48 * 1024,
-                  "static shared memory");
-    __shared__ typename RowPipe<kDepth>::Ring rows;
-    RowPipe<kDepth> pipe{rows};
+    RowPipe<kDepth> pipe{smem.main.ring};
 #else
     RowPipe<kDepth> pipe;
 #endif
@@ -635,13 +663,11 @@ struct Fused {
   // otherwise (decode, a partial last group) value by value. Groups are at most 8
   // tokens, half a vector for FP8 (16 tokens per vector): a lane then waits for memory
   // once, and twice as many lanes share the loop (FP8 TP8, 1024 tokens: 10.6 -> 7.0 us).
-  // A group's slots are one per lane of the head: at most LPH tokens.
-  static constexpr int kVGroup = cmin(cmin(VT::V::kSlotVec, 8), LPH);
-
-  static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks) {
+  // A run's vectors go through shared memory where kStageVLoop.
+  static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks, uint4* v_stage) {
     using C = typename VT::V;
-    constexpr int G = kVGroup, EB = C::kElemBytes, NB = G * EB;  // bytes per store
-    constexpr int kWords = kVec * EB / 4;                        // packed words per token
+    constexpr int G = kVGroup, EB = C::kElemBytes, NB = kVRunBytes;  // bytes per store
+    constexpr int kWords = kVec * EB / 4;                             // packed words per token
     const int lane = threadIdx.x % LPH;
     const uint32_t d0 = lane * kVec;
     // Groups go round-robin over the blocks, so few tokens still spread over the GPU.
@@ -685,14 +711,31 @@ struct Fused {
       if (run) {
         const int64_t page = s0 / C::kPageSize;
         const uint32_t off = static_cast<uint32_t>(s0 % C::kPageSize);
+        constexpr int kOut = (NB + 3) / 4;
+        uint32_t out[kVec][kOut];  // dim d0 + j: the group's G values, one store
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          uint32_t out[(NB + 3) / 4];
 #pragma unroll
-          for (int i = 0; i < (NB + 3) / 4; ++i) out[i] = 0u;
+          for (int i = 0; i < kOut; ++i) out[j][i] = 0u;
 #pragma unroll
-          for (int k2 = 0; k2 < G; ++k2) out[k2 * EB / 4] |= elem_of<EB>(w[k2], j) << (8 * ((k2 * EB) % 4));
-          store_bytes<NB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, out, 0);
+          for (int k2 = 0; k2 < G; ++k2) out[j][k2 * EB / 4] |= elem_of<EB>(w[k2], j) << (8 * ((k2 * EB) % 4));
+        }
+        if constexpr (kStageVLoop) {
+          uint4* stage = v_stage + threadIdx.x / LPH * D;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            stage[v_stage_pos(d0 + j)] = make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
+          group_sync<LPH>();
+#pragma unroll
+          for (int s = 0; s < kVec; ++s) {
+            const uint32_t d = s * LPH + lane;
+            *reinterpret_cast<uint4*>(base + C::offset(a.v_cache, page, off, h, d) * EB) = stage[v_stage_pos(d)];
+          }
+          group_sync<LPH>();  // the reads done before the group's next item writes the stage
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            store_bytes<NB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, out[j], 0);
         }
       } else {
 #pragma unroll
@@ -718,13 +761,18 @@ __global__ void __launch_bounds__(kBlock, min_blocks_per_sm(kDepth))
   // before it reads anything (every thread, before the V loop too). The next
   // launch may begin now; it waits for this grid.
   allow_next_grid();
+  using F = Fused<VT>;
+  __shared__ typename F::template Smem<kDepth> smem;
   const int block = static_cast<int>(blockIdx.x);
-  Fused<VT>::template main_loop<kDepth>(a, dims, block);
+  F::template main_loop<kDepth>(a, dims, block, smem);
   // Every thread then takes its share of the V loop, so that work (a few percent of
   // the bytes, but more instructions and round trips per byte) has the whole GPU and
   // starts wherever the main loop finishes first. (Blocks of its own, sized by bytes,
   // finished last: benchmarks/NOTES.md.)
-  if constexpr (Fused<VT>::kVTransposed) Fused<VT>::v_loop(a, dims, block, static_cast<int>(gridDim.x));
+  if constexpr (F::kVTransposed) {
+    if (F::kStageVLoop && dims.v_groups) __syncthreads();  // its stage reuses the main loop's bytes
+    F::v_loop(a, dims, block, static_cast<int>(gridDim.x), smem.v_stage);
+  }
 }
 
 template <class VT, int kDepth>
