@@ -273,6 +273,28 @@ def test_vllm_nhd_views_unbound_from_one_allocation():
     check_against_reference(args, fused_qknorm_rope_cache)
 
 
+def _one_per_v_loop_shape():
+    """The first SHUFFLE variant (4 kv heads) of each head_dim, model dtype and KV dtype."""
+    first = {}
+    for v in VARIANTS:
+        if v.axes()["contract"] == "vllm_shuffle16" and v.num_kv_heads == 4:
+            first.setdefault((v.head_dim, v.dtype, v.kv_scale), v)
+    return list(first.values())
+
+
+@pytest.mark.parametrize("variant", _one_per_v_loop_shape(), ids=lambda v: v.uri)
+def test_shuffle_v_loop_groups_write_several_items(variant):
+    """In a long prefill each group of the V loop writes one item after another, a bf16
+    run through the same shared-memory stage: here at least three items per group."""
+    lanes = variant.head_dim // 8  # a group's lanes; a block of 256 threads holds 256 / lanes groups
+    # The grid is one wave of depth-1 blocks (at most 3 per SM); an item is 8 tokens of one kv head.
+    groups = torch.cuda.get_device_properties(0).multi_processor_count * 3 * (256 // lanes)
+    tokens = 3 * groups * 8 // variant.num_kv_heads + 5  # and a partial last item
+    niq = 0 if variant.index_mode is IndexMode.NONE else 1
+    args = make_inputs(variant, tokens, 1, niq, slots="prefill", device="cuda", seed=11)
+    check_against_reference(args, fused_qknorm_rope_cache, ref_device="cuda")  # 19-76k tokens
+
+
 @pytest.mark.parametrize("tokens", [V_LOOP_MIN_TOKENS - 1, V_LOOP_MIN_TOKENS], ids=["main-loop", "v-loop"])
 @pytest.mark.parametrize("kv_scale", ["none", "per_tensor"])
 def test_shuffle_v_groups_that_are_almost_runs(kv_scale, tokens):
