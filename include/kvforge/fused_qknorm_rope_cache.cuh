@@ -14,9 +14,10 @@
 // while computing the current. V of a layout that scatters one token's dims (SHUFFLE)
 // goes, from kVLoopMinTokens tokens on, to a second loop every thread runs after the
 // main one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
-// prefill runs, transposes them in registers into vector stores (staged in shared memory,
-// where rows come by cp.async, so a store instruction writes adjacent vectors); shorter
-// calls write it in the main loop (a head's row staged the same way).
+// prefill runs, transposes them in registers into vector stores (whole 16-byte runs are
+// staged in shared memory, where rows come by cp.async, so a store instruction writes
+// adjacent vectors); shorter calls write it in the main loop (a head's row staged the
+// same way). AMD stages neither: registers and LDS (see kStageV).
 #pragma once
 
 #include "kvforge/abi.h"
@@ -428,10 +429,12 @@ struct Fused {
   // dims; stored as held, one store instruction's lanes land 8 vectors apart, each in its
   // own line. Staged, lane l stores dims s * LPH + l: adjacent vectors, whole lines (bf16
   // SHUFFLE TP1, 65536 tokens: 757 -> 728 us, NOTES). Only whole 16-byte runs: FP8's
-  // groups write half vectors, which staging made no faster (805 -> 815 us).
+  // groups write half vectors, which staging made no faster (805 -> 816 us). Not on AMD
+  // (kStageV): its 32 KB per block would leave a gfx942 CU (64 KB of LDS) one block.
   static constexpr bool kStageVLoop = kStageV && kVRunBytes == 16;
-  // The stage keeps dim d in row d / 8 at column (d % 8) ^ (row % 8): a lane's writes (a
-  // row) and the reads of adjacent dims each spread over all banks.
+  // The stage keeps dim d in row d / 8 at column (d % 8) ^ (row % 8), so a write
+  // instruction's quarter warp (column j of 8 rows) meets in no bank; the reads (8
+  // adjacent dims of a row per quarter warp) would not either way.
   static KVF_DEVICE uint32_t v_stage_pos(uint32_t d) { return (d & ~7u) | ((d ^ (d >> 3)) & 7u); }
 
   // A block's shared memory: the main loop's norm factors and row ring, then (after a
@@ -446,7 +449,7 @@ struct Fused {
   template <int kDepth>
   union Smem {
     MainSmem<kDepth> main;
-    uint4 v_stage[kStageVLoop ? kBlock * kVec : 1];  // [group][dim] in v_stage_pos order
+    uint4 v_stage[kStageVLoop ? kBlock / LPH * D : 1];  // [group][dim] in v_stage_pos order
   };
   static_assert(sizeof(Smem<KVF_MAX_PIPELINE_DEPTH>) + (kStageV ? kBlock / LANES * kStageBytes : 0) <= 48 * 1024,
                 "static shared memory");
@@ -492,7 +495,7 @@ struct Fused {
     const int64_t gap = int64_t(d0[1] - d0[0]) * 2;
     const int64_t first = dims.tile * (gid / tile_lanes) + in_tile / LANES % dims.tile;  // the thread's first token
     // Copies into shared memory go out only for tokens the loop processes, so none is
-    // still in flight when the thread returns.
+    // still in flight when the thread returns (the V loop's stage then reuses the ring).
     int64_t t_req = first;
     auto request_rows = [&](int k) {
 #if KVF_ASYNC_COPY
@@ -721,6 +724,7 @@ struct Fused {
           for (int k2 = 0; k2 < G; ++k2) out[j][k2 * EB / 4] |= elem_of<EB>(w[k2], j) << (8 * ((k2 * EB) % 4));
         }
         if constexpr (kStageVLoop) {
+          static_assert(kOut == 4, "staged runs are whole 16-byte vectors");
           uint4* stage = v_stage + threadIdx.x / LPH * D;
 #pragma unroll
           for (int j = 0; j < kVec; ++j)

@@ -78,8 +78,8 @@ KVF_DEVICE T shfl(T v, int src_lane) {
 }
 
 // Waits for the group's lanes and orders their shared-memory writes before their reads
-// of them. NVIDIA only: its one caller (the kernel's put_v_by_dim, see kStageV) is not
-// instantiated for AMD.
+// of them. NVIDIA only: its callers (the kernel's V staging, put_v_by_dim and v_loop;
+// see kStageV) are not instantiated for AMD.
 template <int Width>
 KVF_DEVICE void group_sync() {
 #ifdef KVF_CUDA
