@@ -428,10 +428,13 @@ struct Fused {
   // A prefill run's V through shared memory. A lane holds the group's vectors of its 8
   // dims; stored as held, one store instruction's lanes land 8 vectors apart, each in its
   // own line. Staged, lane l stores dims s * LPH + l: adjacent vectors, whole lines (bf16
-  // SHUFFLE TP1, 65536 tokens: 757 -> 728 us, NOTES). Only whole 16-byte runs: FP8's
-  // groups write half vectors, which staging made no faster (805 -> 816 us). Not on AMD
-  // (kStageV): its 32 KB per block would leave a gfx942 CU (64 KB of LDS) one block.
-  static constexpr bool kStageVLoop = kStageV && kVRunBytes == 16;
+  // SHUFFLE TP1, 65536 tokens: 757 -> 728 us, NOTES). Only whole 16-byte vectors: an FP8
+  // group holds half of one (8 of a run's 16 tokens), so two groups of a warp take one
+  // run's halves (kVPair; FP8 TP1 65536: 804 -> 781 us, but 2% slower at 8192 tokens,
+  // where no group has a second run; staged alone, half vectors were no faster). Not on
+  // AMD (kStageV): its 32 KB per block would leave a gfx942 CU (64 KB of LDS) one block.
+  static constexpr int kVPair = VT::V::kSlotVec == 2 * kVGroup && 2 * LPH <= 32 ? 2 : 1;
+  static constexpr bool kStageVLoop = kStageV && kVRunBytes * kVPair == 16;
   // The stage keeps dim d in row d / 8 at column (d % 8) ^ (row % 8), so a write
   // instruction's quarter warp (column j of 8 rows) meets in no bank; the reads (8
   // adjacent dims of a row per quarter warp) would not either way.
@@ -449,7 +452,7 @@ struct Fused {
   template <int kDepth>
   union Smem {
     MainSmem<kDepth> main;
-    uint4 v_stage[kStageVLoop ? kBlock / LPH * D : 1];  // [group][dim] in v_stage_pos order
+    uint4 v_stage[kStageVLoop ? kBlock / LPH / kVPair * D : 1];  // [run][dim] in v_stage_pos order
   };
   static_assert(sizeof(Smem<KVF_MAX_PIPELINE_DEPTH>) + (kStageV ? kBlock / LANES * kStageBytes : 0) <= 48 * 1024,
                 "static shared memory");
@@ -671,22 +674,24 @@ struct Fused {
     using C = typename VT::V;
     constexpr int G = kVGroup, EB = C::kElemBytes, NB = kVRunBytes;  // bytes per store
     constexpr int kWords = kVec * EB / 4;                             // packed words per token
-    const int lane = threadIdx.x % LPH;
+    constexpr int P = kStageVLoop ? kVPair : 1;                       // groups per run
+    const int lane = threadIdx.x % LPH, group = threadIdx.x / LPH, half = group % P;
     const uint32_t d0 = lane * kVec;
-    // Groups go round-robin over the blocks, so few tokens still spread over the GPU.
-    const int64_t items = dims.v_groups * NKV, per_block = blockDim.x / LPH;
+    // Runs (P groups) go round-robin over the blocks, so few tokens still spread over the GPU.
+    const int64_t runs = (dims.v_groups + P - 1) / P * NKV, per_block = blockDim.x / LPH / P;
     char* base = static_cast<char*>(a.v_cache.data);
-    for (int64_t k = threadIdx.x / LPH;; k += per_block) {
+    for (int64_t k = group / P;; k += per_block) {
       const int64_t item = block + k * nblocks;
-      if (item >= items) break;
+      if (item >= runs) break;  // the same for the run's groups
       const uint32_t h = static_cast<uint32_t>(item % NKV);
-      const int64_t t0 = item / NKV * G;
-      const int n = dims.v_tokens - t0 < G ? static_cast<int>(dims.v_tokens - t0) : G;  // its tokens
+      const int64_t t0 = item / NKV * (P * G) + half * G;
+      const int64_t left = dims.v_tokens - t0;
+      const int n = left < G ? (left > 0 ? static_cast<int>(left) : 0) : G;  // its tokens
       const int64_t col = int64_t(a.num_heads + NKV + h) * D + d0;
       // The group's slots, lane l holding token l's, and whether they are one aligned
       // run; these loads and the rows' go out together.
       const int64_t slot = lane < n ? a.slot_mapping[t0 + lane] : -1;
-      const int64_t s0 = a.slot_mapping[t0];
+      const int64_t s0 = n > 0 ? a.slot_mapping[t0] : -1;
       uint4 raw[G];
 #pragma unroll
       for (int k2 = 0; k2 < G; ++k2)
@@ -696,6 +701,15 @@ struct Fused {
                 (lane >= G || slot == s0 + lane);
 #pragma unroll
       for (int sh = LPH / 2; sh >= 1; sh /= 2) run &= shfl_xor<LPH>(run, sh);
+      // Paired, the two groups stage their vector together only when both are runs, the
+      // first starting a vector and the second continuing it; else each stores its half.
+      int whole = run;
+      int64_t run_s0 = s0;  // the vector's first slot
+      if constexpr (P == 2) {
+        run_s0 = shfl<2 * LPH>(s0, 0);
+        whole = run && (half == 0 ? s0 % (2 * G) == 0 : s0 == run_s0 + G);
+        whole &= shfl_xor<2 * LPH>(whole, LPH);
+      }
       const float inv = kKvFp8 ? 1.0f / scale_of<VT::kKvScale>(a.v_scale, h) : 1.0f;
       uint32_t w[G][kWords];
 #pragma unroll
@@ -712,8 +726,6 @@ struct Fused {
         }
       }
       if (run) {
-        const int64_t page = s0 / C::kPageSize;
-        const uint32_t off = static_cast<uint32_t>(s0 % C::kPageSize);
         constexpr int kOut = (NB + 3) / 4;
         uint32_t out[kVec][kOut];  // dim d0 + j: the group's G values, one store
 #pragma unroll
@@ -724,23 +736,29 @@ struct Fused {
           for (int k2 = 0; k2 < G; ++k2) out[j][k2 * EB / 4] |= elem_of<EB>(w[k2], j) << (8 * ((k2 * EB) % 4));
         }
         if constexpr (kStageVLoop) {
-          static_assert(kOut == 4, "staged runs are whole 16-byte vectors");
-          uint4* stage = v_stage + threadIdx.x / LPH * D;
+          if (whole) {
+            static_assert(NB * P == 16, "staged runs are whole 16-byte vectors");
+            const int64_t page = run_s0 / C::kPageSize;
+            const uint32_t off = static_cast<uint32_t>(run_s0 % C::kPageSize);
+            uint4* stage = v_stage + group / P * D;
 #pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            stage[v_stage_pos(d0 + j)] = make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
-          group_sync<LPH>();
+            for (int j = 0; j < kVec; ++j)
+              store_bytes<NB>(reinterpret_cast<char*>(stage + v_stage_pos(d0 + j)) + half * NB, out[j], 0);
+            group_sync<P * LPH>();
 #pragma unroll
-          for (int s = 0; s < kVec; ++s) {
-            const uint32_t d = s * LPH + lane;
-            *reinterpret_cast<uint4*>(base + C::offset(a.v_cache, page, off, h, d) * EB) = stage[v_stage_pos(d)];
+            for (int s = 0; s < kVec / P; ++s) {
+              const uint32_t d = s * P * LPH + half * LPH + lane;
+              *reinterpret_cast<uint4*>(base + C::offset(a.v_cache, page, off, h, d) * EB) = stage[v_stage_pos(d)];
+            }
+            group_sync<P * LPH>();  // the reads done before the run's next item writes the stage
+            continue;
           }
-          group_sync<LPH>();  // the reads done before the group's next item writes the stage
-        } else {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            store_bytes<NB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, out[j], 0);
         }
+        const int64_t page = s0 / C::kPageSize;
+        const uint32_t off = static_cast<uint32_t>(s0 % C::kPageSize);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          store_bytes<NB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, out[j], 0);
       } else {
 #pragma unroll
         for (int k2 = 0; k2 < G; ++k2) {
