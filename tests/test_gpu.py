@@ -289,7 +289,7 @@ def test_shuffle_v_loop_groups_write_several_items(variant):
     props = torch.cuda.get_device_properties(0)
     # The grid is one wave: at most as many blocks of 256 threads as an SM holds threads
     # (fewer by far: 2 or 3), each of 256 / (head_dim / 8) groups; an item is 8 tokens
-    # of one kv head.
+    # of one kv head (FP8: two groups take a run of 16, so as many runs per pair).
     groups = props.multi_processor_count * (props.max_threads_per_multi_processor // 256) * (256 * 8 // variant.head_dim)
     tokens = 3 * groups * 8 // variant.num_kv_heads + 5  # and a partial last item
     niq = 0 if variant.index_mode is IndexMode.NONE else 1

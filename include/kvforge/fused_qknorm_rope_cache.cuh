@@ -427,17 +427,21 @@ struct Fused {
 
   // A prefill run's V through shared memory. A lane holds the group's vectors of its 8
   // dims; stored as held, one store instruction's lanes land 8 vectors apart, each in its
-  // own line. Staged, lane l stores dims s * LPH + l: adjacent vectors, whole lines (bf16
-  // SHUFFLE TP1, 65536 tokens: 757 -> 728 us, NOTES). Only whole 16-byte vectors: an FP8
-  // group holds half of one (8 of a run's 16 tokens), so two groups of a warp take one
-  // run's halves (kVPair; FP8 TP1 65536: 804 -> 781 us, but 2% slower at 8192 tokens,
-  // where no group has a second run; staged alone, half vectors were no faster). Not on
-  // AMD (kStageV): its 32 KB per block would leave a gfx942 CU (64 KB of LDS) one block.
-  static constexpr int kVPair = VT::V::kSlotVec == 2 * kVGroup && 2 * LPH <= 32 ? 2 : 1;
+  // own line. Staged, lane l of a run's groups stores dims s * P * LPH + half * LPH + l:
+  // adjacent vectors, whole lines (bf16 SHUFFLE TP1, 65536 tokens: 757 -> 728 us, NOTES).
+  // Only whole 16-byte vectors: an FP8 group holds half of one (8 of a run's 16 tokens),
+  // so two groups of a warp take one run's halves (kVPair; FP8 TP1 65536: 804 -> 781 us,
+  // but 2% slower at 8192 tokens, where no group has a second run; staged alone, half
+  // vectors were no faster). A bf16/fp16 group is half a vector only at head_dim 32,
+  // which no variant lists and no test runs, so pairs are FP8's alone. Not on AMD
+  // (kStageV): its 32 KB per block would leave a gfx942 CU (64 KB of LDS) one block.
+  static constexpr int kVPair =
+      VT::V::kElemBytes == 1 && VT::V::kSlotVec == 2 * kVGroup && 2 * LPH <= 32 ? 2 : 1;
   static constexpr bool kStageVLoop = kStageV && kVRunBytes * kVPair == 16;
-  // The stage keeps dim d in row d / 8 at column (d % 8) ^ (row % 8), so a write
-  // instruction's quarter warp (column j of 8 rows) meets in no bank; the reads (8
-  // adjacent dims of a row per quarter warp) would not either way.
+  // The stage keeps dim d in row d / 8 at column (d % 8) ^ (row % 8), so a quarter warp
+  // writing column j of 8 rows in 16-byte vectors meets in no bank (FP8's pairs write
+  // 8-byte halves: two ways at head_dim 128); the reads (8 adjacent dims of a row per
+  // quarter warp) would not either way.
   static KVF_DEVICE uint32_t v_stage_pos(uint32_t d) { return (d & ~7u) | ((d ^ (d >> 3)) & 7u); }
 
   // A block's shared memory: the main loop's norm factors and row ring, then (after a

@@ -1,0 +1,63 @@
+"""The kernel's shared-memory staging under compute-sanitizer (racecheck, synccheck).
+
+A missing sync between a V group's stage writes and reads can still match the reference
+(on the H200 a stage removed its second sync and every output stayed bit-identical,
+while racecheck counted 200k hazards), so the staged paths run here under the tools:
+the V loop's runs (bf16 one group each; FP8 two groups per run, a warp at head_dim 128
+and half a warp at 64), long enough that each group writes several runs, and a decode
+(put_v_by_dim). Run as a script, this file makes those calls.
+"""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+SANITIZER = shutil.which("compute-sanitizer")
+URIS = [
+    "vllm_shuffle16_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_model_kvnone",
+    "vllm_shuffle16_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_fp8_kvpertensor_e4m3fn",
+    "vllm_shuffle16_bf16_d64_r32_kvh4_csbf16_gemma_idxfull_fp8_kvpertensor_e4m3fn",
+]
+
+
+@pytest.mark.skipif(SANITIZER is None, reason="compute-sanitizer is not on PATH")
+@pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
+def test_staged_v_has_no_hazard_under_compute_sanitizer(tool):
+    cmd = [SANITIZER, "--tool", tool, "--kernel-name", "kns=fused_kernel", "--error-exitcode", "3",
+           "--print-limit", "5", sys.executable, __file__, *URIS]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("identical") == 2 * len(URIS), out[-4000:]  # every call ran and matched
+    assert ("RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors") in out, out[-4000:]
+
+
+def _calls(uris):
+    import torch
+
+    from runtime.api import fused_qknorm_rope_cache
+    from runtime.registry import spec
+    from runtime.testing import check_against_reference, make_inputs
+
+    variants = {v.uri: v for v in spec().variants}
+    props = torch.cuda.get_device_properties(0)
+    for uri in uris:
+        v = variants[uri]
+        # As test_gpu's several-items test: groups bounded by an SM's threads, an item 8
+        # tokens of one kv head, so every group writes two or more at 3 blocks per SM.
+        groups = props.multi_processor_count * (props.max_threads_per_multi_processor // 256) \
+            * (256 * 8 // v.head_dim)
+        for tokens, nq, slots in ((groups * 8 // v.num_kv_heads + 5, 1, "prefill"), (200, 8, "decode")):
+            args = make_inputs(v, tokens, nq, 1, slots=slots, device="cuda", seed=3)
+            stats = check_against_reference(args, fused_qknorm_rope_cache, ref_device="cuda")
+            print(uri, tokens, slots, "identical", min(s["identical"] for s in stats.values()), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    _calls(sys.argv[1:])
