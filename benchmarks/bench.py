@@ -30,9 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.unfused import layouts, unfused  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
+from codegen.layout import v_transposed  # noqa: E402
 from codegen.model import IndexMode  # noqa: E402
 from runtime import build, dispatch, fused_qknorm_rope_cache, toolchain, tuning  # noqa: E402
-from runtime.abi import KernelLibrary  # noqa: E402
+from runtime.abi import V_LOOP_OFF, V_LOOP_ON, KernelLibrary  # noqa: E402
 from runtime.registry import source_of, spec  # noqa: E402
 from runtime.testing import check_against_reference, make_inputs, with_outputs  # noqa: E402
 
@@ -139,13 +140,14 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
     stats = check_against_reference(sets[0], fused_qknorm_rope_cache, ref_device="cuda")
     identical = min(s["identical"] for s in stats.values())
     ours = [functools.partial(fused_qknorm_rope_cache, **sets[i % n_sets]) for i in range(n_calls)]
-    launch = tuning.launch_used(torch.cuda.get_device_name(), v.uri, tokens)
+    launch = tuning.launch_used(torch.cuda.get_device_name(), v.uri, tokens, v_transposed(v))
     rec = {
         "contract": v.contract.name, "variant": v.uri, "tp": tp, "tokens": tokens, "slots": slots,
         "dtype": "bf16", "kv": v.kv_scale.value, "index": v.index_dtype.value if v.index_dtype else None,
         "bytes": nbytes, "input_sets": n_sets, "calls_per_graph": n_calls,
         "identical_min": identical,
         "pipeline_depth": launch.depth, "tokens_per_tile": launch.tile,
+        "v_written": {V_LOOP_ON: "V loop", V_LOOP_OFF: "main loop"}.get(launch.v_loop),
         "us": graph_us(ours),
         "us_event_per_call": statistics.median(events_ms(ours[0], 30)) * 1e3,
     }
@@ -226,7 +228,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     peers = [p for p in args.peers.split(",") if p]
     torch.backends.cuda.matmul.allow_tf32 = False
-    # One compiled peer per configuration and TP; its cache writes recompile per cache rank.
+    # The compiled peers share unfused's code: one graph per configuration and TP (12), past
+    # dynamo's default limit of 8 (tests/test_peer.py: each is one graph, no break).
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 64
     gpu = torch.cuda.get_device_name()

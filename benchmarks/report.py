@@ -27,8 +27,9 @@ def _run_section(name: str, result: dict) -> list[str]:
         f"- copy roofline (2 GiB device-to-device, read + write, same run): **{result['copy_gbps']:.0f} GB/s**",
         f"- timing: {result['timing']}",
         "- bytes: qkv read once + q_out, index_q_out, K, V, index-cache writes + positions/slots",
-        "- depth, tile: the main loop's pipeline depth and tokens per tile the runtime picked "
-        "from `tuning/` (made by `benchmarks/tune.py`)",
+        "- depth, tile, V: the main loop's pipeline depth, its tokens per tile, and where a "
+        "transposed V is written (the V loop or the main loop; – where V is not transposed), as "
+        "the runtime picked them from `tuning/` (made by `benchmarks/tune.py`)",
         *([f"- launch floor (a one-element torch `add_` timed the same way): "
            f"**{result['launch_floor_us']:.2f} µs** per call"] if "launch_floor_us" in result else []),
         f"- host overhead per eager call: **{result['host_overhead_us']:.1f} µs** "
@@ -47,12 +48,12 @@ def _run_section(name: str, result: dict) -> list[str]:
     recs = result["records"]
     for config in dict.fromkeys(r["config"] for r in recs):
         lines += [f"### {config}", "",
-                  "| TP | tokens | slots | depth | tile | µs (graph) | µs (event, 1 call) | GB/s | % copy | eager µs | compile µs | × eager | × compile |",
-                  "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| TP | tokens | slots | depth | tile | V | µs (graph) | µs (event, 1 call) | GB/s | % copy | eager µs | compile µs | × eager | × compile |",
+                  "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in (r for r in recs if r["config"] == config):
             e, c = r.get("eager_us"), r.get("compile_us")
             lines.append(
-                f"| {r['tp']} | {r['tokens']} | {r['slots']} | {r['pipeline_depth']} | {r['tokens_per_tile']} | {r['us']:.2f} | {r['us_event_per_call']:.1f} | "
+                f"| {r['tp']} | {r['tokens']} | {r['slots']} | {r['pipeline_depth']} | {r['tokens_per_tile']} | {r.get('v_written') or '–'} | {r['us']:.2f} | {r['us_event_per_call']:.1f} | "
                 f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | {_fmt(e)} | {_fmt(c)} | "
                 f"{_fmt(e / r['us'] if e else None)} | {_fmt(c / r['us'] if c else None)} |")
         lines.append("")

@@ -1,17 +1,18 @@
-"""Tune the main loop's launch (pipeline depth, tokens per tile) per variant and token
-range on this GPU.
+"""Tune the launch (pipeline depth, tokens per tile, where a transposed V is written) per
+variant and token range on this GPU.
 
-    python benchmarks/tune.py [--name h200] [--tokens 1,16,128,1024,8192,32768,65536] [--all]
+    python benchmarks/tune.py [--name h200] [--tokens 1,16,128,1024,2048,4096,8192,32768,65536] [--all]
 
 For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
 variant in variants.yaml) and token count, every depth a library holds
-(1..KVF_MAX_PIPELINE_DEPTH) with every tile (1..KVF_MAX_TOKENS_PER_TILE) is checked
-against the reference, then timed under CUDA-graph replay with inputs rotated past L2,
-as bench.py times. A launch other than the library's defaults is chosen only when it
-is more than 2% faster. Token ranges are
-split at the geometric midpoints between the measured counts; the table goes to
-tuning/<name>.json, which the runtime reads (runtime/tuning.py). Nothing is tuned at
-run time. Shapes: 4 kv heads are timed at TP1 (64, 4, 4 heads), 1 kv head at TP8.
+(1..KVF_MAX_PIPELINE_DEPTH) with every tile (1..KVF_MAX_TOKENS_PER_TILE), and for a
+transposed V (SHUFFLE) with V in the main loop and in the V loop, is checked against
+the reference, then timed under CUDA-graph replay with inputs rotated past L2, as
+bench.py times. A launch other than the library's defaults is chosen only when it is
+more than 2% faster. Token ranges are split at the geometric midpoints between the
+measured counts; the table goes to tuning/<name>.json, which the runtime reads
+(runtime/tuning.py). Nothing is tuned at run time. Shapes: 4 kv heads are timed at TP1
+(64, 4, 4 heads), 1 kv head at TP8.
 """
 from __future__ import annotations
 
@@ -27,17 +28,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench import CONFIGS, TP, find_variant, graph_us, input_sets  # noqa: E402
+from codegen.layout import v_transposed  # noqa: E402
 from codegen.model import IndexMode  # noqa: E402
 from codegen.paths import TUNED  # noqa: E402
 from runtime import build, toolchain  # noqa: E402
-from runtime.abi import MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE  # noqa: E402
+from runtime.abi import MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE, V_LOOP_DEFAULT, V_LOOP_OFF, V_LOOP_ON  # noqa: E402
 from runtime.api import launch_with  # noqa: E402
 from runtime.registry import source_of, spec  # noqa: E402
 from runtime.testing import check_against_reference  # noqa: E402
 from runtime.tuning import DEFAULT, Launch, parse  # noqa: E402
 
 MARGIN = 0.02
-LAUNCHES = [Launch(d, t) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in range(1, MAX_TOKENS_PER_TILE + 1)]
+
+
+def launches(v) -> list[Launch]:
+    """Every launch the variant's library distinguishes."""
+    places = (V_LOOP_OFF, V_LOOP_ON) if v_transposed(v) else (V_LOOP_DEFAULT,)
+    return [Launch(d, t, p) for d in range(1, MAX_PIPELINE_DEPTH + 1)
+            for t in range(1, MAX_TOKENS_PER_TILE + 1) for p in places]
 
 
 def time_launches(v, tokens: int) -> dict[Launch, float]:
@@ -46,23 +54,23 @@ def time_launches(v, tokens: int) -> dict[Launch, float]:
     sets, _, _, n_calls = input_sets(v, tokens, nq, niq)
     n_sets = len(sets)
     out = {}
-    for launch in LAUNCHES:
+    for launch in launches(v):
         check_against_reference(sets[0], lambda **a: launch_with(launch, **a)(), ref_device="cuda")
-        launches = [launch_with(launch, **s) for s in sets]
-        out[launch] = graph_us([launches[i % n_sets] for i in range(n_calls)])
+        calls = [launch_with(launch, **s) for s in sets]
+        out[launch] = graph_us([calls[i % n_sets] for i in range(n_calls)])
     del sets
     torch.cuda.empty_cache()
     return out
 
 
-def choose(times: dict[Launch, float]) -> Launch:
-    default = DEFAULT.resolved()
+def choose(times: dict[Launch, float], default: Launch) -> Launch:
+    """`default` (resolved, one of the timed launches) unless another is clearly faster."""
     best = min(times, key=times.get)
     return best if times[best] < (1 - MARGIN) * times[default] else default
 
 
 def ranges(choices: list[tuple[int, Launch]]) -> list[list]:
-    """[(tokens, launch)] measured → [[max_tokens, depth, tile], ..., [None, depth, tile]]."""
+    """[(tokens, launch)] measured → [[max_tokens, *launch], ..., [None, *launch]]."""
     out: list[list] = []
     for i, (tokens, launch) in enumerate(choices):
         upto = None if i + 1 == len(choices) else int(math.sqrt(tokens * choices[i + 1][0]))
@@ -77,7 +85,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="h200", help="writes tuning/<name>.json")
     ap.add_argument("--out", default=str(TUNED))
-    ap.add_argument("--tokens", default="1,16,128,1024,8192,32768,65536")
+    # 2048 and 4096 besides bench.py's counts: where SHUFFLE's V loop starts to pay.
+    ap.add_argument("--tokens", default="1,16,128,1024,2048,4096,8192,32768,65536")
     ap.add_argument("--all", action="store_true", help="every listed variant, not only the benchmark's")
     args = ap.parse_args()
     if args.all:
@@ -97,10 +106,10 @@ def main() -> int:
         picks, measured = [], {}
         for t in tokens:
             times = time_launches(v, t)
-            picks.append((t, choose(times)))
-            measured[str(t)] = {f"depth{d}-tile{k}": round(us, 3) for (d, k), us in times.items()}
-            print(f"{v.uri} T={t}: " + "  ".join(f"d{d}t{k} {us:.2f} us" for (d, k), us in times.items())
-                  + f"  -> depth {picks[-1][1].depth} tile {picks[-1][1].tile}", flush=True)
+            picks.append((t, choose(times, DEFAULT.resolved(t, v_transposed(v)))))
+            measured[str(t)] = {f"depth{d}-tile{k}-vloop{p}": round(us, 3) for (d, k, p), us in times.items()}
+            print(f"{v.uri} T={t}: " + "  ".join(f"d{d}t{k}v{p} {us:.2f} us" for (d, k, p), us in times.items())
+                  + "  -> depth {} tile {} v_loop {}".format(*picks[-1][1]), flush=True)
         table["choices"][v.uri] = ranges(picks)
         table["measured_us"][v.uri] = measured
     parse(table, "tuner output")  # what the runtime will accept

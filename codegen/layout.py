@@ -20,6 +20,11 @@ from .model import Cache, IndexDtype, KvScale, Variant
 VEC = 8  # model-dtype elements per 16-byte access of the kernel
 
 
+def stride_symbol(dim: int) -> str:
+    """The name a free (run-time) stride of cache dimension `dim` has in offset expressions."""
+    return f"s{dim}"
+
+
 @lru_cache(maxsize=None)
 def lane_dims(head_dim: int, rotary_dim: int) -> tuple[tuple[int, ...], ...]:
     """The dims each main-loop lane of the kernel holds, in the order it sums their
@@ -50,6 +55,7 @@ class CacheAccess:
     extents: tuple[int | None, ...]   # None at the run-time (page count) dimension
     runtime_dim: int
     free: tuple[int, ...]
+    free_symbols: tuple[tuple[str, int], ...]  # (symbol, dim) of each free stride
     contiguous_strides: tuple[int | None, ...]  # None where the stride is free
     offset: ex.Expr                   # element offset in terms of page, off, h, d, s<dim>
     d_vec: int                        # elements one store may cover along d
@@ -57,13 +63,22 @@ class CacheAccess:
 
     def offset_cpp(self) -> str:
         names = {"page": "page", "off": "off", "h": "h", "d": "d"}
-        names.update({f"s{i}": f"c.strides[{i}]" for i in self.free})
+        names.update({sym: f"c.strides[{i}]" for sym, i in self.free_symbols})
         return ex.to_cpp(self.offset, names)
 
     def offset_torch(self, page, off, h, d, strides):
+        # No string is built here: under torch.compile(dynamic=True) the dims are symbolic
+        # and formatting one breaks the graph (then a recompile per call site and variant).
         env = {"page": page, "off": off, "h": h, "d": d}
-        env.update({f"s{i}": strides[i] for i in self.free})
+        env.update({sym: strides[i] for sym, i in self.free_symbols})
         return ex.evaluate(self.offset, env)
+
+
+def v_transposed(v: Variant) -> bool:
+    """V scatters one token's dims and gathers a page's tokens (SHUFFLE): the kernel's
+    kVTransposed, where V may be written by its V loop (kvf_args_t::v_loop)."""
+    acc = access(v, "v")
+    return acc.d_vec == 1 and acc.slot_vec > 1
 
 
 def elem_size(v: Variant, role: str) -> int:
@@ -90,6 +105,7 @@ def access(v: Variant, role: str) -> CacheAccess:
     return CacheAccess(role=role, tensor=cache.tensor, elem_size=elem_size(v, role),
                        page_size=cache.page_size, heads=heads, extents=tuple(extents),
                        runtime_dim=cache.runtime_dim, free=cache.free,
+                       free_symbols=tuple((stride_symbol(i), i) for i in cache.free),
                        contiguous_strides=tuple(strides), offset=offset,
                        d_vec=d_vec, slot_vec=slot_vec)
 
@@ -105,7 +121,7 @@ def _within_page(acc_offset: ex.Expr, free: tuple[int, ...], grid) -> torch.Tens
     """Element offsets of one page (page 0; free strides do not matter there)."""
     off, h, d = grid
     env = {"page": 0, "off": off, "h": h, "d": d}
-    env.update({f"s{i}": 0 for i in free})
+    env.update({stride_symbol(i): 0 for i in free})
     out = ex.evaluate(acc_offset, env)
     if not isinstance(out, torch.Tensor):
         out = torch.tensor(out)
@@ -160,7 +176,7 @@ def _plain_offset(cache: Cache, strides: list[int | None]) -> ex.Expr:
     """Sum of index * stride, free strides named s<dim>; symbols not yet folded."""
     offset: ex.Expr = ex.Num(0)
     for i, idx in enumerate(cache.index):
-        stride: ex.Expr = ex.Sym(f"s{i}") if strides[i] is None else ex.Num(strides[i])
+        stride: ex.Expr = ex.Sym(stride_symbol(i)) if strides[i] is None else ex.Num(strides[i])
         offset = ex.BinOp("+", offset, ex.BinOp("*", idx, stride))
     return offset
 

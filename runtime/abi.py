@@ -19,6 +19,10 @@ MAX_PIPELINE_DEPTH = _header_define("KVF_MAX_PIPELINE_DEPTH")
 DEFAULT_PIPELINE_DEPTH = _header_define("KVF_DEFAULT_PIPELINE_DEPTH")
 MAX_TOKENS_PER_TILE = _header_define("KVF_MAX_TOKENS_PER_TILE")
 DEFAULT_TOKENS_PER_TILE = _header_define("KVF_DEFAULT_TOKENS_PER_TILE")
+V_LOOP_DEFAULT = _header_define("KVF_V_LOOP_DEFAULT")
+V_LOOP_OFF = _header_define("KVF_V_LOOP_OFF")
+V_LOOP_ON = _header_define("KVF_V_LOOP_ON")
+V_LOOP_MIN_TOKENS = _header_define("KVF_V_LOOP_MIN_TOKENS")
 
 
 class CacheArg(ctypes.Structure):
@@ -54,6 +58,7 @@ class Args(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("pipeline_depth", ctypes.c_int32),
         ("tokens_per_tile", ctypes.c_int32),
+        ("v_loop", ctypes.c_int32),
     ]
 
 

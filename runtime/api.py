@@ -79,7 +79,7 @@ def _args(plan: _Plan, t: reference.Tensors) -> Args:
              num_slots=t.slot_mapping.numel(),
              num_index_slots=t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0,
              num_tokens=t.qkv.shape[0], num_heads=t.num_heads, num_index_heads=t.num_index_heads,
-             eps=t.eps, pipeline_depth=launch.depth, tokens_per_tile=launch.tile)
+             eps=t.eps, pipeline_depth=launch.depth, tokens_per_tile=launch.tile, v_loop=launch.v_loop)
     for field, name in _POINTERS:
         setattr(a, field, ptr(getattr(t, name)))
     for field, role in _CACHES:
@@ -135,14 +135,14 @@ def _prepared(variant, t: reference.Tensors) -> tuple[_Plan, Args, int]:
 def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **kwargs) -> Callable[[], None]:
     """For the tuner and the tests: validate a GPU call once and return a function that
     launches it as `launch` says (pipeline depth 1..KVF_MAX_PIPELINE_DEPTH, tokens per
-    tile 1..KVF_MAX_TOKENS_PER_TILE; 0: the default), on the current stream, with the
-    variant's library as `toolchain` builds it (default: the runtime's)."""
+    tile 1..KVF_MAX_TOKENS_PER_TILE, KVF_V_LOOP_*; 0: the default), on the current stream,
+    with the variant's library as `toolchain` builds it (default: the runtime's)."""
     if kwargs.get("q_out") is None:
         raise ValueError("q_out: launch_with needs the outputs allocated")
     params = inspect.signature(fused_qknorm_rope_cache).parameters
     variant, t = check(**{name: kwargs.get(name, params[name].default) for name in _ARG_NAMES})
     plan, a, device_index = _prepared(variant, t)
-    a.pipeline_depth, a.tokens_per_tile = launch
+    a.pipeline_depth, a.tokens_per_tile, a.v_loop = launch
     lib = REGISTRY.get(variant, toolchain) if toolchain else plan.lib
     return functools.partial(_launch, lib.launch, a, device_index)
 

@@ -1,18 +1,21 @@
-"""Tuned launch choices: the main loop's pipeline depth and token tile, per variant and
-token range.
+"""Tuned launch choices: the main loop's pipeline depth and token tile, and where a
+transposed V is written, per variant and token range.
 
 Which launch is fastest depends on the shape: a deeper pipeline hides more memory
 latency on long runs of tokens but costs registers and a longer start on short ones;
 two tokens per tile make a head's stores of both one instruction (whole sectors for
-SHUFFLE's K) but leave half the lanes idle on a one-token call. `benchmarks/tune.py`
-times every depth a library holds (1..KVF_MAX_PIPELINE_DEPTH) with every tile
-(1..KVF_MAX_TOKENS_PER_TILE) on the GPU and writes tuning/<name>.json; the runtime
-only reads those files, so nothing is tuned at run time. A device or variant without
-an entry gets 0 for both, the library's defaults.
+SHUFFLE's K) but leave half the lanes idle on a one-token call; SHUFFLE's V loop stores
+whole 16-byte runs but is a second trip to memory after the main loop, which pays only
+once the call is long enough. `benchmarks/tune.py` times every depth a library holds
+(1..KVF_MAX_PIPELINE_DEPTH) with every tile (1..KVF_MAX_TOKENS_PER_TILE), and for a
+transposed V both places, on the GPU and writes tuning/<name>.json; the runtime only
+reads those files, so nothing is tuned at run time. A device or variant without an
+entry gets 0 for each, the library's defaults.
 
 File format: {"device": "<torch.cuda.get_device_name()>", "command": "...",
-"choices": {"<variant uri>": [[max_tokens, depth, tile], ..., [null, depth, tile]]}},
-ranges ascending, the last one open.
+"choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop], ...,
+[null, depth, tile, v_loop]]}}, ranges ascending, the last one open; v_loop is
+KVF_V_LOOP_OFF (1) or _ON (2) where V is transposed, else 0.
 """
 from __future__ import annotations
 
@@ -24,19 +27,29 @@ from typing import NamedTuple, Optional
 
 from codegen.paths import TUNED
 
-from .abi import DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE
+from .abi import (DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE,
+                  V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
 
 
 class Launch(NamedTuple):
     """One launch configuration; 0 in a field means the library's default."""
     depth: int
     tile: int
+    v_loop: int = V_LOOP_DEFAULT  # KVF_V_LOOP_*: where a transposed V is written
 
-    def resolved(self) -> "Launch":
-        return Launch(self.depth or DEFAULT_PIPELINE_DEPTH, self.tile or DEFAULT_TOKENS_PER_TILE)
+    def resolved(self, tokens: int, v_transposed: bool) -> "Launch":
+        """What the library runs for a call of `tokens` tokens (v_loop stays 0 where V is
+        not transposed: there is no V loop)."""
+        v_loop = self.v_loop
+        if v_transposed and v_loop == V_LOOP_DEFAULT:
+            v_loop = V_LOOP_ON if tokens >= V_LOOP_MIN_TOKENS else V_LOOP_OFF
+        return Launch(self.depth or DEFAULT_PIPELINE_DEPTH, self.tile or DEFAULT_TOKENS_PER_TILE, v_loop)
 
 
-DEFAULT = Launch(0, 0)
+DEFAULT = Launch(0, 0, V_LOOP_DEFAULT)
+# Entries of the table formats of older ABIs, by length.
+_OLD_FORMATS = {2: "[max_tokens, depth] is the format before ABI 3",
+                3: "[max_tokens, depth, tile] is the format before ABI 4"}
 Ranges = tuple[tuple[Optional[int], Launch], ...]  # ((max_tokens or None, launch), ...)
 
 
@@ -70,16 +83,16 @@ def parse(data, where: str) -> Table:
     out: dict[str, Ranges] = {}
     for uri, ranges in choices.items():
         if not isinstance(ranges, list) or not ranges:
-            raise TuningError(f"{where}: {uri}: expected a list of [max_tokens, depth, tile] entries")
+            raise TuningError(f"{where}: {uri}: expected a list of [max_tokens, depth, tile, v_loop] entries")
         parsed, last = [], 0
         for i, item in enumerate(ranges):
-            ok = isinstance(item, list) and len(item) == 3
-            upto, depth, tile = item if ok else (None, None, None)
+            ok = isinstance(item, list) and len(item) == 4
+            upto, depth, tile, v_loop = item if ok else (None, None, None, None)
             open_end = upto is None and i == len(ranges) - 1
             if not ok or not (open_end or (type(upto) is int and upto > last)):
-                hint = "; [max_tokens, depth] is the format before ABI 3: re-run benchmarks/tune.py" \
-                    if isinstance(item, list) and len(item) == 2 else ""
-                raise TuningError(f"{where}: {uri}: range {i}: expected [max_tokens > {last}, depth, tile] "
+                old = _OLD_FORMATS.get(len(item)) if isinstance(item, list) else None
+                hint = f"; {old}: re-run benchmarks/tune.py" if old else ""
+                raise TuningError(f"{where}: {uri}: range {i}: expected [max_tokens > {last}, depth, tile, v_loop] "
                                   f"(max_tokens null only in the last), got {item!r}{hint}")
             if type(depth) is not int or not 1 <= depth <= MAX_PIPELINE_DEPTH:
                 raise TuningError(f"{where}: {uri}: range {i}: depth must be 1..{MAX_PIPELINE_DEPTH}, "
@@ -87,7 +100,10 @@ def parse(data, where: str) -> Table:
             if type(tile) is not int or not 1 <= tile <= MAX_TOKENS_PER_TILE:
                 raise TuningError(f"{where}: {uri}: range {i}: tile must be 1..{MAX_TOKENS_PER_TILE}, "
                                   f"got {tile!r}")
-            parsed.append((upto, Launch(depth, tile)))
+            if type(v_loop) is not int or not V_LOOP_DEFAULT <= v_loop <= V_LOOP_ON:
+                raise TuningError(f"{where}: {uri}: range {i}: v_loop must be {V_LOOP_DEFAULT} (default), "
+                                  f"{V_LOOP_OFF} (off) or {V_LOOP_ON} (on), got {v_loop!r}")
+            parsed.append((upto, Launch(depth, tile, v_loop)))
             last = upto if upto is not None else last
         out[uri] = tuple(parsed)
     return Table(device=data["device"], choices=out)
@@ -121,7 +137,7 @@ def table_for(device: str, root: Path = TUNED) -> Optional[Table]:
     return parse(found[0][1], str(found[0][0])) if found else None
 
 
-def launch_used(device: str, uri: str, tokens: int) -> Launch:
+def launch_used(device: str, uri: str, tokens: int, v_transposed: bool) -> Launch:
     """The launch a call of `tokens` tokens gets on `device`, defaults resolved (for reports)."""
     table = table_for(device)
-    return (table.launch(uri, tokens) if table else DEFAULT).resolved()
+    return (table.launch(uri, tokens) if table else DEFAULT).resolved(tokens, v_transposed)

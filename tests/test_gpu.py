@@ -1,15 +1,14 @@
 """Every variant in variants.yaml against the reference on the GPU (SPEC §6)."""
 import dataclasses
-import re
 import zlib
 
 import pytest
 import torch
 
+from benchmarks.tune import launches
 from codegen.model import IndexMode
-from codegen.paths import INCLUDE
 from runtime import build, fused_qknorm_rope_cache, toolchain
-from runtime.abi import MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE
+from runtime.abi import V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON
 from runtime.api import launch_with
 from runtime.registry import spec, source_of
 from runtime.testing import check_against_reference, make_inputs, poison, with_outputs
@@ -17,9 +16,6 @@ from runtime.tuning import Launch
 
 pytestmark = pytest.mark.gpu
 VARIANTS = spec().variants
-# From this many tokens on, a transposed V (SHUFFLE) is written by the kernel's V loop.
-V_LOOP_MIN_TOKENS = int(re.search(r"constexpr int kVLoopMinTokens = (\d+);",
-                                  (INCLUDE / "kvforge" / "fused_qknorm_rope_cache.cuh").read_text())[1])
 
 # (tokens, q heads, index heads, slots, padded tokens, extra options)
 CASES = [
@@ -33,15 +29,17 @@ CASES = [
 ]
 
 
-# Every launch configuration a tuned table may pick.
-LAUNCHES = [pytest.param(Launch(d, t), id=f"depth{d}-tile{t}")
-            for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in range(1, MAX_TOKENS_PER_TILE + 1)]
+# Every launch configuration a tuned table may pick for each variant (the tuner's list:
+# depths, tiles and, where V is transposed, V in the main loop and in the V loop).
+VARIANT_LAUNCHES = [pytest.param(v, launch, id=f"{v.uri}-depth{launch.depth}-tile{launch.tile}-vloop{launch.v_loop}")
+                    for v in VARIANTS for launch in launches(v)]
 # Calls that run a thread's pipeline through several tokens, each launch's grid being one
 # wave (an H200 holds 2 or 3 x 132 blocks of 256 threads): (tokens, q heads, slots,
 # padded tokens, slot-mapping length). 3999 tokens of 8 q heads are at least two passes
-# for every head_dim (at most ~1700 tokens per pass), a SHUFFLE V in the V loop; 200
-# decode tokens of 64 q heads (110-185 per pass at head_dim 128, fewer above) keep V in
-# the main loop, where a thread's second token reuses the row its group stages V through.
+# for every head_dim (at most ~1700 tokens per pass); 200 decode tokens of 64 q heads
+# (110-185 per pass at head_dim 128, fewer above). A SHUFFLE V goes both ways in each:
+# in the main loop a thread's second token reuses the row its group stages V through,
+# the V loop meets prefill runs and decode's scattered slots.
 MULTI_PASS = [pytest.param(3999, 8, "prefill", 7, 3990, id="t3999-prefill"),
               pytest.param(200, 64, "decode", 5, 197, id="t200-tp1-decode")]
 
@@ -74,12 +72,12 @@ def test_variant_matches_reference(variant, tokens, nq, niq, slots, pad, opts):
 
 
 @pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", MULTI_PASS)
-@pytest.mark.parametrize("launch", LAUNCHES)
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.uri)
+@pytest.mark.parametrize("variant,launch", VARIANT_LAUNCHES)
 def test_every_launch_configuration_matches_reference(variant, launch, tokens, nq, slots, pad, num_slots):
-    """The tuned table may pick any depth a library holds and any tile, for any token
-    count: each thread runs the pipeline through several tokens (MULTI_PASS), the last
-    ones padded, past the slots, or (two per tile) alone in their tile."""
+    """The tuned table may pick any depth a library holds, any tile and either place for
+    a transposed V, for any token count: each thread runs the pipeline through several
+    tokens (MULTI_PASS), the last ones padded, past the slots, or (two per tile) alone in
+    their tile."""
     niq = 0 if variant.index_mode is IndexMode.NONE else 2
     args = make_inputs(variant, tokens, nq, niq, slots=slots, pad=pad, device="cuda", seed=21,
                        cos_sin="random", num_slots=num_slots)
@@ -97,8 +95,7 @@ def register_pipeline():
 
 
 @pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", MULTI_PASS)
-@pytest.mark.parametrize("launch", LAUNCHES)
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.uri)
+@pytest.mark.parametrize("variant,launch", VARIANT_LAUNCHES)
 def test_register_pipeline_matches_reference(variant, launch, tokens, nq, slots, pad, num_slots,
                                              register_pipeline):
     """AMD's pipeline, run: several tokens per thread (see above), the last ones padded,
@@ -297,17 +294,17 @@ def test_shuffle_v_loop_groups_write_several_items(variant):
     check_against_reference(args, fused_qknorm_rope_cache, ref_device="cuda")  # 51-203k tokens
 
 
-@pytest.mark.parametrize("tokens", [V_LOOP_MIN_TOKENS - 1, V_LOOP_MIN_TOKENS], ids=["main-loop", "v-loop"])
+@pytest.mark.parametrize("v_loop", [V_LOOP_OFF, V_LOOP_ON], ids=["main-loop", "v-loop"])
 @pytest.mark.parametrize("kv_scale", ["none", "per_tensor"])
-def test_shuffle_v_groups_that_are_almost_runs(kv_scale, tokens):
-    """SHUFFLE's V loop (from V_LOOP_MIN_TOKENS tokens on; one token fewer and the main
-    loop writes V) stores a group as vectors when its slots are one aligned run; a group
-    whose middle is out of order must still land value by value."""
+def test_shuffle_v_groups_that_are_almost_runs(kv_scale, v_loop):
+    """SHUFFLE's V loop stores a group as vectors when its slots are one aligned run; a
+    group whose middle is out of order must still land value by value. The same slots
+    with V in the main loop, as a tuned table may choose for such a call."""
     v = _seed_variant(kv_scale=kv_scale, fp8="e4m3fn") if kv_scale != "none" else _seed_variant()
     tg = 8  # the V loop's group: a whole vector of bf16 tokens, half of one of FP8
-    args = make_inputs(v, tokens, 8, 2, slots="prefill", device="cuda", seed=10)
+    args = make_inputs(v, V_LOOP_MIN_TOKENS, 8, 2, slots="prefill", device="cuda", seed=10)
     sm = args["slot_mapping"]
     sm[1], sm[2] = sm[2].clone(), sm[1].clone()            # group 0: middle swapped
     sm[tg + 3] = -1                                         # group 1: a padded token inside
     sm[2 * tg:3 * tg] = sm[2 * tg:3 * tg].flip(0)           # group 2: reversed (not taken)
-    check_against_reference(args, fused_qknorm_rope_cache)
+    check_against_reference(args, lambda **a: launch_with(Launch(0, 0, v_loop), **a)())

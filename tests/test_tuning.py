@@ -3,9 +3,11 @@ import json
 
 import pytest
 
-from benchmarks.tune import choose, ranges
+from benchmarks.tune import choose, launches, ranges
+from codegen.layout import v_transposed
 from codegen.paths import TUNED
-from runtime.abi import MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE
+from runtime.abi import (DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE,
+                         V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
 from runtime.registry import spec
 from runtime.tuning import DEFAULT, Launch, TuningError, load, parse, pick, table_for
 
@@ -15,22 +17,25 @@ def table(choices):
 
 
 def test_pick_walks_the_ranges_and_defaults_to_zero():
-    a, b = Launch(1, 1), Launch(2, 2)
+    a, b = Launch(1, 1, 1), Launch(2, 2, 2)
     r = ((3, a), (100, b), (None, a))
     assert [pick(r, t) for t in (1, 3, 4, 100, 101, 10 ** 9)] == [a, a, b, b, a, a]
-    assert pick((), 5) == DEFAULT == (0, 0) and pick(((10, b),), 11) == DEFAULT
+    assert pick((), 5) == DEFAULT == (0, 0, 0) and pick(((10, b),), 11) == DEFAULT
 
 
 @pytest.mark.parametrize("choices,message", [
-    ({"v": []}, "v: expected a list of [max_tokens, depth, tile] entries"),
-    ({"v": [[None, 1, 1], [None, 2, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile] (max_tokens null only in the last), got [None, 1, 1]"),
-    ({"v": [[8, 1, 1], [8, 2, 1]]}, "v: range 1: expected [max_tokens > 8, depth, tile]"),
-    ({"v": [[8, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile] (max_tokens null only in the last), got [8, 1]; [max_tokens, depth] is the format before ABI 3: re-run benchmarks/tune.py"),
-    ({"v": [[8, 0, 1]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got 0"),
-    ({"v": [[8, True, 1]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got True"),
-    ({"v": [[8, 1, 0]]}, f"v: range 0: tile must be 1..{MAX_TOKENS_PER_TILE}, got 0"),
-    ({"v": [[8, 1, MAX_TOKENS_PER_TILE + 1]]}, f"v: range 0: tile must be 1..{MAX_TOKENS_PER_TILE}, got {MAX_TOKENS_PER_TILE + 1}"),
-    ({"v": [["8", 1, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile]"),
+    ({"v": []}, "v: expected a list of [max_tokens, depth, tile, v_loop] entries"),
+    ({"v": [[None, 1, 1, 0], [None, 2, 1, 0]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop] (max_tokens null only in the last), got [None, 1, 1, 0]"),
+    ({"v": [[8, 1, 1, 0], [8, 2, 1, 0]]}, "v: range 1: expected [max_tokens > 8, depth, tile, v_loop]"),
+    ({"v": [[8, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop] (max_tokens null only in the last), got [8, 1]; [max_tokens, depth] is the format before ABI 3: re-run benchmarks/tune.py"),
+    ({"v": [[8, 1, 2]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop] (max_tokens null only in the last), got [8, 1, 2]; [max_tokens, depth, tile] is the format before ABI 4: re-run benchmarks/tune.py"),
+    ({"v": [[8, 0, 1, 0]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got 0"),
+    ({"v": [[8, True, 1, 0]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got True"),
+    ({"v": [[8, 1, 0, 0]]}, f"v: range 0: tile must be 1..{MAX_TOKENS_PER_TILE}, got 0"),
+    ({"v": [[8, 1, MAX_TOKENS_PER_TILE + 1, 0]]}, f"v: range 0: tile must be 1..{MAX_TOKENS_PER_TILE}, got {MAX_TOKENS_PER_TILE + 1}"),
+    ({"v": [[8, 1, 1, 3]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got 3"),
+    ({"v": [[8, 1, 1, None]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got None"),
+    ({"v": [["8", 1, 1, 0]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop]"),
 ])
 def test_bad_tables_are_refused_with_the_entry_named(choices, message):
     with pytest.raises(TuningError) as e:
@@ -46,10 +51,10 @@ def test_a_file_that_is_not_json_names_its_line(tmp_path):
 
 
 def test_the_table_is_found_by_device_name(tmp_path):
-    (tmp_path / "a.json").write_text(json.dumps(table({"v": [[16, 1, 1], [None, 2, 2]]})))
-    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "choices": {"v": [[0, 9, 1]]}}))
+    (tmp_path / "a.json").write_text(json.dumps(table({"v": [[16, 1, 1, 1], [None, 2, 2, 2]]})))
+    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "choices": {"v": [[0, 9, 1, 0]]}}))
     t = table_for("GPU X", tmp_path)  # b.json is broken, but for another GPU
-    assert t.launch("v", 16) == (1, 1) and t.launch("v", 17) == (2, 2) and t.launch("other", 1) == DEFAULT
+    assert t.launch("v", 16) == (1, 1, 1) and t.launch("v", 17) == (2, 2, 2) and t.launch("other", 1) == DEFAULT
     assert table_for("GPU Y", tmp_path) is None
     with pytest.raises(TuningError, match="b.json: v: range 0"):
         table_for("GPU Z", tmp_path)
@@ -57,23 +62,44 @@ def test_the_table_is_found_by_device_name(tmp_path):
 
 def test_two_tables_for_one_device_are_an_error(tmp_path):
     for name in ("a", "b"):
-        (tmp_path / f"{name}.json").write_text(json.dumps(table({"v": [[None, 2, 2]]})))
+        (tmp_path / f"{name}.json").write_text(json.dumps(table({"v": [[None, 2, 2, 0]]})))
     with pytest.raises(TuningError, match=r"a.json, b.json all tune 'GPU X'; keep one"):
         table_for("GPU X", tmp_path)
 
 
 def test_the_tuner_keeps_the_default_unless_another_launch_is_clearly_faster():
-    default = DEFAULT.resolved()
-    other = Launch(1 if default.depth != 1 else 2, default.tile)
-    assert choose({default: 10.0, other: 9.9}) == default
-    assert choose({default: 10.0, other: 9.0}) == other
+    default = DEFAULT.resolved(1024, v_transposed=True)
+    other = Launch(1 if default.depth != 1 else 2, default.tile, default.v_loop)
+    assert choose({default: 10.0, other: 9.9}, default) == default
+    assert choose({default: 10.0, other: 9.0}, default) == other
+
+
+def test_defaults_resolve_as_the_library_does():
+    """The library's V loop from KVF_V_LOOP_MIN_TOKENS tokens, where V is transposed; a
+    V that is not has no V loop to name."""
+    depth, tile = DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE
+    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS - 1, True) == (depth, tile, V_LOOP_OFF)
+    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, True) == (depth, tile, V_LOOP_ON)
+    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, False) == (depth, tile, V_LOOP_DEFAULT)
+    assert Launch(2, 1, V_LOOP_OFF).resolved(10 ** 6, True) == (2, 1, V_LOOP_OFF)
+
+
+def test_the_tuner_times_both_v_places_only_where_v_is_transposed():
+    by_transposed = {}
+    for v in spec().variants:
+        by_transposed.setdefault(v_transposed(v), v)
+    assert {p for *_, p in launches(by_transposed[True])} == {V_LOOP_OFF, V_LOOP_ON}
+    assert {p for *_, p in launches(by_transposed[False])} == {V_LOOP_DEFAULT}
+    assert len(launches(by_transposed[True])) == 2 * MAX_PIPELINE_DEPTH * MAX_TOKENS_PER_TILE
 
 
 def test_the_tuner_splits_ranges_between_measured_counts_and_merges_equal_ones():
-    a, b, c = Launch(1, 1), Launch(2, 2), Launch(2, 1)
-    assert ranges([(1, a), (16, a), (128, b), (1024, b)]) == [[45, 1, 1], [None, 2, 2]]
-    assert ranges([(1, a), (16, c), (128, c)]) == [[4, 1, 1], [None, 2, 1]]
-    assert ranges([(1, b)]) == [[None, 2, 2]]
+    a, b, c = Launch(1, 1, 0), Launch(2, 2, 0), Launch(2, 1, 0)
+    assert ranges([(1, a), (16, a), (128, b), (1024, b)]) == [[45, 1, 1, 0], [None, 2, 2, 0]]
+    assert ranges([(1, a), (16, c), (128, c)]) == [[4, 1, 1, 0], [None, 2, 1, 0]]
+    assert ranges([(1, b)]) == [[None, 2, 2, 0]]
+    off, on = Launch(1, 2, 1), Launch(1, 2, 2)
+    assert ranges([(1024, off), (8192, on)]) == [[2896, 1, 2, 1], [None, 1, 2, 2]]
 
 
 def test_stored_tables_load_and_name_listed_variants():

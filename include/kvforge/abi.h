@@ -4,12 +4,19 @@
 
 #include <stdint.h>
 
-#define KVF_ABI_VERSION 3
+#define KVF_ABI_VERSION 4
 #define KVF_MAX_DIMS 8
 #define KVF_MAX_PIPELINE_DEPTH 2      // a library holds the main loop at depths 1..this
 #define KVF_DEFAULT_PIPELINE_DEPTH 1  // the depth a call naming 0 gets
 #define KVF_MAX_TOKENS_PER_TILE 2     // tokens whose head lanes a tile sets side by side: 1..this
 #define KVF_DEFAULT_TOKENS_PER_TILE 2  // what a call naming 0 gets
+// Where a transposed V (SHUFFLE) is written: by the main loop's lanes of each token, or by
+// the V loop that runs after it (tokens grouped into 16-byte runs). A call naming
+// KVF_V_LOOP_DEFAULT gets the V loop from KVF_V_LOOP_MIN_TOKENS tokens on.
+#define KVF_V_LOOP_DEFAULT 0
+#define KVF_V_LOOP_OFF 1
+#define KVF_V_LOOP_ON 2
+#define KVF_V_LOOP_MIN_TOKENS 256
 
 #ifdef __cplusplus
 extern "C" {
@@ -48,6 +55,7 @@ typedef struct {
   float eps;
   int32_t pipeline_depth;           // tokens a thread loads ahead (1..KVF_MAX_PIPELINE_DEPTH; 0 = default)
   int32_t tokens_per_tile;          // 1..KVF_MAX_TOKENS_PER_TILE; 0 = default
+  int32_t v_loop;                   // KVF_V_LOOP_*; ignored where V is not transposed
 } kvf_args_t;
 
 #ifdef __cplusplus

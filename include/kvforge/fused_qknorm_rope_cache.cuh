@@ -12,11 +12,11 @@
 // (tuned), the tile's groups of each head side by side. A main-loop thread keeps one
 // head lane for every token it visits and requests the next tokens' rows (RowPipe)
 // while computing the current. V of a layout that scatters one token's dims (SHUFFLE)
-// goes, from kVLoopMinTokens tokens on, to a second loop every thread runs after the
+// goes, in long calls (kvf_args_t::v_loop), to a second loop every thread runs after the
 // main one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
 // prefill runs, transposes them in registers into vector stores (whole 16-byte runs are
 // staged in shared memory, where rows come by cp.async, so a store instruction writes
-// adjacent vectors); shorter calls write it in the main loop (a head's row staged the
+// adjacent vectors); other calls write it in the main loop (a head's row staged the
 // same way). AMD stages neither: registers and LDS (see kStageV).
 #pragma once
 
@@ -40,11 +40,11 @@ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
 // (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default).
 
-// A transposed V (SHUFFLE) goes to the V loop from this many tokens on. Shorter calls
-// are mostly decodes with scattered slots, where every V value is its own store, best
-// spread over the main loop's many lanes than over the V loop's few (a short prefill
-// only loses its whole-vector V stores). Measured in benchmarks/NOTES.md.
-constexpr int kVLoopMinTokens = 256;
+// A transposed V (SHUFFLE) goes to the V loop as kvf_args_t::v_loop says (tuned per
+// shape), by default from KVF_V_LOOP_MIN_TOKENS tokens on. Decodes have scattered slots,
+// where every V value is its own store, best spread over the main loop's many lanes than
+// over the V loop's few; a prefill of a few thousand tokens at one kv head finishes sooner
+// in one loop than in two (each a dependent trip to memory). benchmarks/NOTES.md.
 
 struct Dims {
   int32_t main_kv_heads;      // K and V heads per token in the main loop: 2 nkv, or nkv when V is the V loop's
@@ -805,7 +805,8 @@ template <class VT, int kDepth>
 int launch_at_depth(const kvf_args_t* a, void* stream) {
   using F = Fused<VT>;
   Dims dims;
-  const bool v_loop = F::kVTransposed && a->num_tokens >= kVLoopMinTokens;
+  const bool v_loop = F::kVTransposed && (a->v_loop == KVF_V_LOOP_DEFAULT ? a->num_tokens >= KVF_V_LOOP_MIN_TOKENS
+                                                                           : a->v_loop == KVF_V_LOOP_ON);
   dims.main_kv_heads = v_loop ? F::NKV : 2 * F::NKV;
   dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads, dims.main_kv_heads) * F::LANES;
   dims.v_tokens = a->num_slots < a->num_tokens ? a->num_slots : a->num_tokens;
@@ -854,6 +855,7 @@ template <class VT>
 int launch(const kvf_args_t* a, void* stream) {
   if (a->num_tokens <= 0) return 0;
   if (a->tokens_per_tile < 0 || a->tokens_per_tile > KVF_MAX_TOKENS_PER_TILE) return int(hipErrorInvalidValue);
+  if (a->v_loop < KVF_V_LOOP_DEFAULT || a->v_loop > KVF_V_LOOP_ON) return int(hipErrorInvalidValue);
   return launch_depth<VT>(a, stream, a->pipeline_depth ? a->pipeline_depth : KVF_DEFAULT_PIPELINE_DEPTH);
 }
 
