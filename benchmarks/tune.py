@@ -85,7 +85,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="h200", help="writes tuning/<name>.json")
     ap.add_argument("--out", default=str(TUNED))
-    # 2048 and 4096 besides bench.py's counts: where SHUFFLE's V loop starts to pay.
+    # 2048 and 4096 besides bench.py's counts: SHUFFLE's V loop starts to pay there at one
+    # kv head (at four, between 512 and 2048).
     ap.add_argument("--tokens", default="1,16,128,1024,2048,4096,8192,32768,65536")
     ap.add_argument("--all", action="store_true", help="every listed variant, not only the benchmark's")
     args = ap.parse_args()

@@ -61,6 +61,12 @@ class CacheAccess:
     d_vec: int                        # elements one store may cover along d
     slot_vec: int                     # tokens one store may cover along the slot (1 = no)
 
+    @property
+    def transposed(self) -> bool:
+        """One token's dims are scattered and a page's tokens gathered (SHUFFLE's V): the
+        kernel may write this cache by its V loop (kvf_args_t::v_loop)."""
+        return self.d_vec == 1 and self.slot_vec > 1
+
     def offset_cpp(self) -> str:
         names = {"page": "page", "off": "off", "h": "h", "d": "d"}
         names.update({sym: f"c.strides[{i}]" for sym, i in self.free_symbols})
@@ -75,10 +81,8 @@ class CacheAccess:
 
 
 def v_transposed(v: Variant) -> bool:
-    """V scatters one token's dims and gathers a page's tokens (SHUFFLE): the kernel's
-    kVTransposed, where V may be written by its V loop (kvf_args_t::v_loop)."""
-    acc = access(v, "v")
-    return acc.d_vec == 1 and acc.slot_vec > 1
+    """Whether the variant's kernel has a V loop (its V's kTransposed)."""
+    return access(v, "v").transposed
 
 
 def elem_size(v: Variant, role: str) -> int:

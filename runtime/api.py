@@ -137,6 +137,9 @@ def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **
     launches it as `launch` says (pipeline depth 1..KVF_MAX_PIPELINE_DEPTH, tokens per
     tile 1..KVF_MAX_TOKENS_PER_TILE, KVF_V_LOOP_*; 0: the default), on the current stream,
     with the variant's library as `toolchain` builds it (default: the runtime's)."""
+    bad = launch.problems()
+    if bad:
+        raise ValueError(f"launch_with: {'; '.join(bad)}")
     if kwargs.get("q_out") is None:
         raise ValueError("q_out: launch_with needs the outputs allocated")
     params = inspect.signature(fused_qknorm_rope_cache).parameters

@@ -35,15 +35,21 @@ class Launch(NamedTuple):
     """One launch configuration; 0 in a field means the library's default."""
     depth: int
     tile: int
-    v_loop: int = V_LOOP_DEFAULT  # KVF_V_LOOP_*: where a transposed V is written
+    v_loop: int  # KVF_V_LOOP_*: where a transposed V is written
 
     def resolved(self, tokens: int, v_transposed: bool) -> "Launch":
-        """What the library runs for a call of `tokens` tokens (v_loop stays 0 where V is
-        not transposed: there is no V loop)."""
-        v_loop = self.v_loop
-        if v_transposed and v_loop == V_LOOP_DEFAULT:
-            v_loop = V_LOOP_ON if tokens >= V_LOOP_MIN_TOKENS else V_LOOP_OFF
+        """What the library runs for a call of `tokens` tokens: defaults filled in as
+        launch_at_depth does; v_loop 0 where V is not transposed (there is no V loop)."""
+        v_loop = V_LOOP_DEFAULT
+        if v_transposed:
+            v_loop = self.v_loop or (V_LOOP_ON if tokens >= V_LOOP_MIN_TOKENS else V_LOOP_OFF)
         return Launch(self.depth or DEFAULT_PIPELINE_DEPTH, self.tile or DEFAULT_TOKENS_PER_TILE, v_loop)
+
+    def problems(self) -> list[str]:
+        """Fields outside what a library accepts (0 is the default for each)."""
+        limits = (MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE, V_LOOP_ON)
+        return [f"{name} must be 0..{hi}, got {value!r}" for name, value, hi in zip(self._fields, self, limits)
+                if type(value) is not int or not 0 <= value <= hi]
 
 
 DEFAULT = Launch(0, 0, V_LOOP_DEFAULT)

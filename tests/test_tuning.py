@@ -82,6 +82,14 @@ def test_defaults_resolve_as_the_library_does():
     assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, True) == (depth, tile, V_LOOP_ON)
     assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, False) == (depth, tile, V_LOOP_DEFAULT)
     assert Launch(2, 1, V_LOOP_OFF).resolved(10 ** 6, True) == (2, 1, V_LOOP_OFF)
+    assert Launch(2, 1, V_LOOP_ON).resolved(1, False) == (2, 1, V_LOOP_DEFAULT)
+
+
+def test_launch_with_refuses_a_launch_the_library_would_not_take():
+    from runtime.api import launch_with
+
+    with pytest.raises(ValueError, match=r"^launch_with: depth must be 0\.\.\d+, got 9; v_loop must be 0\.\.2, got -1$"):
+        launch_with(Launch(9, 1, -1))
 
 
 def test_the_tuner_times_both_v_places_only_where_v_is_transposed():
@@ -103,10 +111,14 @@ def test_the_tuner_splits_ranges_between_measured_counts_and_merges_equal_ones()
 
 
 def test_stored_tables_load_and_name_listed_variants():
-    uris = {v.uri for v in spec().variants}
+    """...and name a V place (1 or 2) exactly where the variant's V is transposed."""
+    variants = {v.uri: v for v in spec().variants}
     for path in sorted(TUNED.glob("*.json")):
         t = load(path)
-        assert set(t.choices) <= uris, path
+        assert set(t.choices) <= set(variants), path
+        for uri, entries in t.choices.items():
+            places = {launch.v_loop for _, launch in entries}
+            assert places <= ({V_LOOP_OFF, V_LOOP_ON} if v_transposed(variants[uri]) else {V_LOOP_DEFAULT}), uri
 
 
 def test_the_scripts_build_their_rotating_input_sets():

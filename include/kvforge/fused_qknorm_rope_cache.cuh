@@ -219,7 +219,7 @@ struct Fused {
   static constexpr int NKV = VT::kNumKvHeads;
   static constexpr bool kIndex = VT::kIndexMode == IndexMode::Full;
   static constexpr bool kKvFp8 = VT::kKvScale != Scale::None;
-  static constexpr bool kVTransposed = VT::V::kDVec == 1 && VT::V::kSlotVec > 1;
+  static constexpr bool kVTransposed = VT::V::kTransposed;
   static_assert(LPH >= 2 && LPH <= 32 && (LPH & (LPH - 1)) == 0, "head_dim");
   static_assert(R % 2 == 0 && R <= D, "rotary_dim");
 
