@@ -144,6 +144,17 @@ def make_inputs(v: Variant, num_tokens: int, num_heads: int, num_index_heads: in
 MUTABLE = ("k_cache", "v_cache", "kv_cache", "index_cache", "q_out", "index_q_out")
 
 
+def v_loop_tokens(v: Variant, items: int, device=0) -> int:
+    """A prefill in which every group of the kernel's V loop writes at least `items` items
+    (8 tokens of one kv head; FP8's two groups share a run of 16, so as many runs per
+    pair), plus a partial last one, on this GPU: the grid is one wave of blocks of 256
+    threads, at most as many per SM as it holds threads (2 or 3 in fact), each of
+    256 / (head_dim / 8) groups."""
+    props = torch.cuda.get_device_properties(device)
+    groups = props.multi_processor_count * (props.max_threads_per_multi_processor // 256) * (256 * 8 // v.head_dim)
+    return items * groups * 8 // v.num_kv_heads + 5
+
+
 def _base(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 

@@ -11,7 +11,7 @@ from runtime import build, fused_qknorm_rope_cache, toolchain
 from runtime.abi import V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON
 from runtime.api import launch_with
 from runtime.registry import spec, source_of
-from runtime.testing import check_against_reference, make_inputs, poison, with_outputs
+from runtime.testing import check_against_reference, make_inputs, poison, v_loop_tokens, with_outputs
 from runtime.tuning import Launch
 
 pytestmark = pytest.mark.gpu
@@ -285,14 +285,8 @@ def _one_per_v_loop_shape():
 def test_shuffle_v_loop_groups_write_several_items(variant):
     """In a long prefill each group of the V loop writes one item after another (bf16 and
     fp16 runs through the same shared-memory stage): here at least three per group."""
-    props = torch.cuda.get_device_properties(0)
-    # The grid is one wave: at most as many blocks of 256 threads as an SM holds threads
-    # (fewer by far: 2 or 3), each of 256 / (head_dim / 8) groups; an item is 8 tokens
-    # of one kv head (FP8: two groups take a run of 16, so as many runs per pair).
-    groups = props.multi_processor_count * (props.max_threads_per_multi_processor // 256) * (256 * 8 // variant.head_dim)
-    tokens = 3 * groups * 8 // variant.num_kv_heads + 5  # and a partial last item
     niq = 0 if variant.index_mode is IndexMode.NONE else 1
-    args = make_inputs(variant, tokens, 1, niq, slots="prefill", device="cuda", seed=11)
+    args = make_inputs(variant, v_loop_tokens(variant, 3), 1, niq, slots="prefill", device="cuda", seed=11)
     check_against_reference(args, lambda **a: launch_with(Launch(0, 0, V_LOOP_ON), **a)(),
                             ref_device="cuda")  # 51-203k tokens
 

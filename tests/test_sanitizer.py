@@ -38,23 +38,17 @@ def test_staged_v_has_no_hazard_under_compute_sanitizer(tool):
 
 
 def _calls(uris):
-    import torch
-
     from runtime.abi import V_LOOP_OFF, V_LOOP_ON
     from runtime.api import launch_with
     from runtime.registry import spec
-    from runtime.testing import check_against_reference, make_inputs
+    from runtime.testing import check_against_reference, make_inputs, v_loop_tokens
     from runtime.tuning import Launch
 
     variants = {v.uri: v for v in spec().variants}
-    props = torch.cuda.get_device_properties(0)
     for uri in uris:
         v = variants[uri]
-        # As test_gpu's several-items test: groups bounded by an SM's threads, an item 8
-        # tokens of one kv head, so every group writes two or more at 3 blocks per SM.
-        groups = props.multi_processor_count * (props.max_threads_per_multi_processor // 256) \
-            * (256 * 8 // v.head_dim)
-        for tokens, nq, slots, place in ((groups * 8 // v.num_kv_heads + 5, 1, "prefill", V_LOOP_ON),
+        # One item per group if an SM held 8 blocks; 2 or 3 do: every group writes two or more.
+        for tokens, nq, slots, place in ((v_loop_tokens(v, 1), 1, "prefill", V_LOOP_ON),
                                          (200, 8, "decode", V_LOOP_OFF)):
             args = make_inputs(v, tokens, nq, 1, slots=slots, device="cuda", seed=3)
             launch = Launch(0, 0, place)  # the V loop's stage, then put_v_by_dim's
