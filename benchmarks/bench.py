@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -39,6 +40,7 @@ from runtime.testing import check_against_reference, make_inputs, with_outputs  
 
 TP = {1: (64, 4, 4), 4: (16, 1, 1), 8: (8, 1, 1)}  # (q heads, kv heads, index heads)
 TOKENS = [1, 16, 128, 1024, 8192, 32768, 65536]
+DECODE_UP_TO = 256  # calls of up to this many tokens are timed as decodes (a slot per page)
 CONFIGS = {  # name -> variant axes (TP sets num_kv_heads)
     "vllm_shuffle16 bf16": dict(contract="vllm_shuffle16", index_dtype="model", kv_scale="none"),
     "vllm_shuffle16 fp8": dict(contract="vllm_shuffle16", index_dtype="fp8", kv_scale="per_tensor",
@@ -118,11 +120,13 @@ def launch_floor_us(n_calls: int = 400) -> float:
     return graph_us([functools.partial(x.add_, 1)] * n_calls)
 
 
-def input_sets(v, tokens: int, nq: int, niq: int, device="cuda") -> tuple[list[dict], str, int, int]:
+def input_sets(v, tokens: int, nq: int, niq: int, device="cuda",
+               slots: Optional[str] = None) -> tuple[list[dict], str, int, int]:
     """Input sets to rotate (with outputs), their slots, the op's bytes, and how many calls one graph
     replays: enough sets that the working set is ≥ 4× L2 (within 8 GB), enough calls that
-    a replay lasts a few ms. Slots as engines make them: decode up to 256 tokens."""
-    slots = "decode" if tokens <= 256 else "prefill"
+    a replay lasts a few ms. Slots as engines make them unless named: decode up to
+    DECODE_UP_TO tokens, prefill above."""
+    slots = slots or ("decode" if tokens <= DECODE_UP_TO else "prefill")
     probe = make_inputs(v, tokens, nq, niq, slots=slots, device=device, seed=0)
     nbytes = op_bytes(v, probe)
     n_sets = max(1, min(64, math.ceil(4 * L2_BYTES / nbytes), (8 << 30) // nbytes))

@@ -36,8 +36,14 @@ class _Plan:
         self.lib = REGISTRY.get(variant)
         self.pages = {role: (access(variant, role).runtime_dim, access(variant, role).page_size)
                       for role in ("k", "v", "index")}
-        table = tuning.table_for(torch.cuda.get_device_name(device_index))
-        self.launches = table.choices.get(variant.uri, ()) if table else ()  # tuned, by token range
+        self.uri, self.device_index = variant.uri, device_index
+
+    @functools.cached_property
+    def launches(self) -> tuning.Ranges:
+        """Tuned, by token range. Read at the first call that needs them, so that
+        launch_with (the tuner) works where no valid table is stored."""
+        table = tuning.table_for(torch.cuda.get_device_name(self.device_index))
+        return table.choices.get(self.uri, ()) if table else ()
 
 
 _PLANS: dict = {}  # (variant, device index) -> _Plan
@@ -72,9 +78,8 @@ def _cache_arg(dst, cache: Optional[Tensor], dims: tuple[int, int]) -> None:
         dst.strides[i] = s
 
 
-def _args(plan: _Plan, t: reference.Tensors) -> Args:
+def _args(plan: _Plan, t: reference.Tensors, launch: tuning.Launch) -> Args:
     ptr = lambda x: x.data_ptr() if x is not None else None  # noqa: E731
-    launch = tuning.pick(plan.launches, t.qkv.shape[0])
     a = Args(qkv_row_stride=t.qkv.stride(0), max_pos=t.cos_sin_cache.shape[0],
              num_slots=t.slot_mapping.numel(),
              num_index_slots=t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0,
@@ -124,12 +129,16 @@ _POINTER_OFFSETS = tuple(
 assert ctypes.sizeof(Args) % 8 == 0 and all(off % 8 == 0 for _, off, _ in _POINTER_OFFSETS)
 
 
-def _prepared(variant, t: reference.Tensors) -> tuple[_Plan, Args, int]:
+def _prepared(variant, t: reference.Tensors,
+              launch: Optional[tuning.Launch] = None) -> tuple[_Plan, Args, int]:
+    """The plan and Args of a call, launched as `launch` says (default: as tuned)."""
     device_index = t.qkv.device.index
     plan = _PLANS.get((variant, device_index))
     if plan is None:
         plan = _PLANS[(variant, device_index)] = _Plan(variant, device_index)
-    return plan, _args(plan, t), device_index
+    if launch is None:
+        launch = tuning.pick(plan.launches, t.qkv.shape[0])
+    return plan, _args(plan, t, launch), device_index
 
 
 def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **kwargs) -> Callable[[], None]:
@@ -144,8 +153,7 @@ def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **
         raise ValueError("q_out: launch_with needs the outputs allocated")
     params = inspect.signature(fused_qknorm_rope_cache).parameters
     variant, t = check(**{name: kwargs.get(name, params[name].default) for name in _ARG_NAMES})
-    plan, a, device_index = _prepared(variant, t)
-    a.pipeline_depth, a.tokens_per_tile, a.v_loop = launch
+    plan, a, device_index = _prepared(variant, t, launch)
     lib = REGISTRY.get(variant, toolchain) if toolchain else plan.lib
     return functools.partial(_launch, lib.launch, a, device_index)
 

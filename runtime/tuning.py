@@ -1,8 +1,9 @@
 """Tuned launch choices: the main loop's pipeline depth and token tile, and where a
 transposed V is written, per variant and token range.
 
-Which launch is fastest depends on the shape: a deeper pipeline hides more memory
-latency on long runs of tokens but costs registers and a longer start on short ones;
+Which launch is fastest depends on the shape: a deeper pipeline (cos/sin loaded a token
+ahead) hides more memory latency on long runs of tokens but costs registers and a longer
+start on short ones;
 two tokens per tile make a head's stores of both one instruction (whole sectors for
 SHUFFLE's K) but leave half the lanes idle on a one-token call; SHUFFLE's V loop stores
 whole 16-byte runs but is a second trip to memory after the main loop, which pays only
@@ -12,10 +13,11 @@ transposed V both places, on the GPU and writes tuning/<name>.json; the runtime 
 reads those files, so nothing is tuned at run time. A device or variant without an
 entry gets 0 for each, the library's defaults.
 
-File format: {"device": "<torch.cuda.get_device_name()>", "command": "...",
-"choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop], ...,
+File format: {"device": "<torch.cuda.get_device_name()>", "abi": KVF_ABI_VERSION,
+"command": "...", "choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop], ...,
 [null, depth, tile, v_loop]]}}, ranges ascending, the last one open; v_loop is
-KVF_V_LOOP_OFF (1) or _ON (2) where V is transposed, else 0.
+KVF_V_LOOP_OFF (1) or _ON (2) where V is transposed, else 0. A table is read only by
+the ABI it was tuned for: what a launch field means may change with it.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import NamedTuple, Optional
 
 from codegen.paths import TUNED
 
-from .abi import (DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE,
+from .abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE,
                   V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
 
 
@@ -53,9 +55,6 @@ class Launch(NamedTuple):
 
 
 DEFAULT = Launch(0, 0, V_LOOP_DEFAULT)
-# Entries of the table formats of older ABIs, by length.
-_OLD_FORMATS = {2: "[max_tokens, depth] is the format before ABI 3",
-                3: "[max_tokens, depth, tile] is the format before ABI 4"}
 Ranges = tuple[tuple[Optional[int], Launch], ...]  # ((max_tokens or None, launch), ...)
 
 
@@ -83,6 +82,11 @@ def parse(data, where: str) -> Table:
     """A table from decoded JSON; errors name the file and the entry."""
     if not isinstance(data, dict) or not isinstance(data.get("device"), str):
         raise TuningError(f"{where}: expected an object with a 'device' name")
+    abi = data.get("abi")
+    if type(abi) is not int or abi != ABI_VERSION:
+        found = "no 'abi' (before ABI 5)" if abi is None else f"ABI {abi!r}"
+        raise TuningError(f"{where}: tuned for {found}, but this runtime's launches are ABI {ABI_VERSION} "
+                          f"(a field may mean something else): re-run benchmarks/tune.py")
     choices = data.get("choices")
     if not isinstance(choices, dict):
         raise TuningError(f"{where}: 'choices' must map variant names to token ranges")
@@ -96,10 +100,8 @@ def parse(data, where: str) -> Table:
             upto, depth, tile, v_loop = item if ok else (None, None, None, None)
             open_end = upto is None and i == len(ranges) - 1
             if not ok or not (open_end or (type(upto) is int and upto > last)):
-                old = _OLD_FORMATS.get(len(item)) if isinstance(item, list) else None
-                hint = f"; {old}: re-run benchmarks/tune.py" if old else ""
                 raise TuningError(f"{where}: {uri}: range {i}: expected [max_tokens > {last}, depth, tile, v_loop] "
-                                  f"(max_tokens null only in the last), got {item!r}{hint}")
+                                  f"(max_tokens null only in the last), got {item!r}")
             if type(depth) is not int or not 1 <= depth <= MAX_PIPELINE_DEPTH:
                 raise TuningError(f"{where}: {uri}: range {i}: depth must be 1..{MAX_PIPELINE_DEPTH}, "
                                   f"got {depth!r}")

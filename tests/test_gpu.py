@@ -12,7 +12,7 @@ from runtime.abi import V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON
 from runtime.api import launch_with
 from runtime.registry import spec, source_of
 from runtime.testing import check_against_reference, make_inputs, poison, v_loop_tokens, with_outputs
-from runtime.tuning import Launch
+from runtime.tuning import Launch, TuningError
 
 pytestmark = pytest.mark.gpu
 VARIANTS = spec().variants
@@ -35,10 +35,10 @@ CASES = [
 VARIANT_LAUNCHES = [pytest.param(v, launch, id=f"{v.uri}-depth{launch.depth}-tile{launch.tile}-vloop{launch.v_loop}")
                     for v in VARIANTS for launch in launches(v)]
 # Calls that run a thread's pipeline through several tokens, each launch's grid being one
-# wave (an H200 holds 2 or 3 x 132 blocks of 256 threads): (tokens, q heads, slots,
+# wave (an H200 holds 3 x 132 blocks of 256 threads): (tokens, q heads, slots,
 # padded tokens, slot-mapping length). 3999 tokens of 8 q heads are at least two passes
 # for every head_dim (at most ~1700 tokens per pass); 200 decode tokens of 64 q heads
-# (110-185 per pass at head_dim 128, fewer above). A SHUFFLE V goes both ways in each:
+# (168-194 per pass at head_dim 128, fewer above; one pass at 64). A SHUFFLE V goes both ways in each:
 # in the main loop a thread's second token reuses the row its group stages V through,
 # the V loop meets prefill runs and decode's scattered slots.
 MULTI_PASS = [pytest.param(3999, 8, "prefill", 7, 3990, id="t3999-prefill"),
@@ -179,6 +179,23 @@ def test_back_to_back_calls_read_what_the_previous_one_wrote(graph):
             bad = (a != b).nonzero().flatten()
             assert bad.numel() == 0, (f"iteration {_}: {key}: {bad.numel()} of {a.numel()} bytes differ, "
                                       f"first at {bad[:4].tolist()} last {bad[-1:].tolist()}")
+
+
+def test_launch_with_reads_no_tuned_table(monkeypatch):
+    """The tuner replaces a stale table, so a launch it names must not read one; a call
+    that takes its launch from the table reports the table's error."""
+    import runtime.api
+
+    def stale(device):
+        raise TuningError(f"{device}: a stale table")
+
+    monkeypatch.setattr(runtime.api.tuning, "table_for", stale)
+    monkeypatch.setattr(runtime.api, "_PLANS", {})
+    v = _seed_variant()
+    args = make_inputs(v, 13, 8, 2, slots="decode", device="cuda", seed=4)  # a signature no other test binds
+    check_against_reference(args, lambda **a: launch_with(Launch(1, 2, V_LOOP_OFF), **a)(), ref_device="cuda")
+    with pytest.raises(TuningError, match="a stale table"):
+        fused_qknorm_rope_cache(**with_outputs(args))
 
 
 def test_a_signature_validated_before_launches_from_the_table(monkeypatch):

@@ -3,17 +3,17 @@ import json
 
 import pytest
 
-from benchmarks.tune import choose, launches, ranges
+from benchmarks.tune import choose, launches, ranges, v_place
 from codegen.layout import v_transposed
 from codegen.paths import TUNED
-from runtime.abi import (DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE,
+from runtime.abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE,
                          V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
 from runtime.registry import spec
 from runtime.tuning import DEFAULT, Launch, TuningError, load, parse, pick, table_for
 
 
 def table(choices):
-    return {"device": "GPU X", "choices": choices}
+    return {"device": "GPU X", "abi": ABI_VERSION, "choices": choices}
 
 
 def test_pick_walks_the_ranges_and_defaults_to_zero():
@@ -27,8 +27,7 @@ def test_pick_walks_the_ranges_and_defaults_to_zero():
     ({"v": []}, "v: expected a list of [max_tokens, depth, tile, v_loop] entries"),
     ({"v": [[None, 1, 1, 0], [None, 2, 1, 0]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop] (max_tokens null only in the last), got [None, 1, 1, 0]"),
     ({"v": [[8, 1, 1, 0], [8, 2, 1, 0]]}, "v: range 1: expected [max_tokens > 8, depth, tile, v_loop]"),
-    ({"v": [[8, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop] (max_tokens null only in the last), got [8, 1]; [max_tokens, depth] is the format before ABI 3: re-run benchmarks/tune.py"),
-    ({"v": [[8, 1, 2]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop] (max_tokens null only in the last), got [8, 1, 2]; [max_tokens, depth, tile] is the format before ABI 4: re-run benchmarks/tune.py"),
+    ({"v": [[8, 1, 2]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop] (max_tokens null only in the last), got [8, 1, 2]"),
     ({"v": [[8, 0, 1, 0]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got 0"),
     ({"v": [[8, True, 1, 0]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got True"),
     ({"v": [[8, 1, 0, 0]]}, f"v: range 0: tile must be 1..{MAX_TOKENS_PER_TILE}, got 0"),
@@ -43,6 +42,17 @@ def test_bad_tables_are_refused_with_the_entry_named(choices, message):
     assert str(e.value).startswith("t.json: ") and message in str(e.value)
 
 
+@pytest.mark.parametrize("abi,found", [(None, "no 'abi' (before ABI 5)"), (4, "ABI 4"), ("5", "ABI '5'")])
+def test_a_table_tuned_for_another_abi_is_refused(abi, found):
+    data = {k: v for k, v in table({"v": [[None, 1, 1, 0]]}).items() if k != "abi" or abi is not None}
+    if abi is not None:
+        data["abi"] = abi
+    with pytest.raises(TuningError) as e:
+        parse(data, "t.json")
+    assert str(e.value) == (f"t.json: tuned for {found}, but this runtime's launches are ABI {ABI_VERSION} "
+                            "(a field may mean something else): re-run benchmarks/tune.py")
+
+
 def test_a_file_that_is_not_json_names_its_line(tmp_path):
     p = tmp_path / "x.json"
     p.write_text('{"device": "GPU X",\n "choices": {,}}')
@@ -52,7 +62,7 @@ def test_a_file_that_is_not_json_names_its_line(tmp_path):
 
 def test_the_table_is_found_by_device_name(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(table({"v": [[16, 1, 1, 1], [None, 2, 2, 2]]})))
-    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "choices": {"v": [[0, 9, 1, 0]]}}))
+    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "abi": ABI_VERSION, "choices": {"v": [[0, 9, 1, 0]]}}))
     t = table_for("GPU X", tmp_path)  # b.json is broken, but for another GPU
     assert t.launch("v", 16) == (1, 1, 1) and t.launch("v", 17) == (2, 2, 2) and t.launch("other", 1) == DEFAULT
     assert table_for("GPU Y", tmp_path) is None
@@ -108,6 +118,14 @@ def test_the_tuner_splits_ranges_between_measured_counts_and_merges_equal_ones()
     assert ranges([(1, b)]) == [[None, 2, 2, 0]]
     off, on = Launch(1, 2, 1), Launch(1, 2, 2)
     assert ranges([(1024, off), (8192, on)]) == [[2896, 1, 2, 1], [None, 1, 2, 2]]
+
+
+def test_the_v_place_is_the_one_with_the_smaller_worse_slowdown_over_both_slot_patterns():
+    off, on = Launch(1, 2, V_LOOP_OFF), Launch(1, 2, V_LOOP_ON)
+    # prefill 6% faster in the V loop, decode 1.31x faster in the main loop: the main loop
+    assert v_place({off: 50.5, on: 47.6}, {off: 89.0, on: 117.0}) == off
+    # prefill 2.1x faster in the V loop: the V loop, though decodes lose 1.31x
+    assert v_place({off: 99.3, on: 47.6}, {off: 89.0, on: 117.0}) == on
 
 
 def test_stored_tables_load_and_name_listed_variants():

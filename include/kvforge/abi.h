@@ -4,9 +4,9 @@
 
 #include <stdint.h>
 
-#define KVF_ABI_VERSION 4
+#define KVF_ABI_VERSION 5
 #define KVF_MAX_DIMS 8
-#define KVF_MAX_PIPELINE_DEPTH 2      // a library holds the main loop at depths 1..this
+#define KVF_MAX_PIPELINE_DEPTH 2      // a library holds the main loop at depths 1..this (see pipeline_depth)
 #define KVF_DEFAULT_PIPELINE_DEPTH 1  // the depth a call naming 0 gets
 #define KVF_MAX_TOKENS_PER_TILE 2     // tokens whose head lanes a tile sets side by side: 1..this
 #define KVF_DEFAULT_TOKENS_PER_TILE 2  // what a call naming 0 gets
@@ -53,7 +53,8 @@ typedef struct {
   int32_t num_heads;
   int32_t num_index_heads;
   float eps;
-  int32_t pipeline_depth;           // tokens a thread loads ahead (1..KVF_MAX_PIPELINE_DEPTH; 0 = default)
+  int32_t pipeline_depth;           // 1..KVF_MAX_PIPELINE_DEPTH (0 = default): positions and slots
+                                    // are loaded this many tokens ahead, cos/sin one fewer
   int32_t tokens_per_tile;          // 1..KVF_MAX_TOKENS_PER_TILE; 0 = default
   int32_t v_loop;                   // KVF_V_LOOP_*; ignored where V is not transposed
 } kvf_args_t;

@@ -30,12 +30,15 @@ enum class Scale { None, Unit, PerTensor, PerHead };
 
 constexpr int kVec = 8;       // model-dtype elements per chunk (16 bytes); a lane holds two
 constexpr int kBlock = 256;
-// Resident blocks per SM the register cap keeps, by pipeline depth. Depth 1 is capped
-// at 80 registers (three blocks of 256 threads): its fewer bytes in flight per thread
-// need more threads, and the cap spills at most a few words (FP8) while the variants with
-// fp32 cos/sin gain 4-8% at 8192+ tokens. Deeper kernels keep 128 (two blocks): capping
-// them spilled heavily and lost 40-50% (benchmarks/NOTES.md).
-constexpr int min_blocks_per_sm(int depth) { return depth == 1 ? 3 : 2; }
+// Resident blocks per SM the register cap keeps: three of 256 threads (80 registers) at
+// every pipeline depth. A thread has few bytes in flight, so the SM needs many threads;
+// the cap spills a few words at depth 1 (FP8) and more at depth 2 (FP8, fp32 cos/sin),
+// where the tuner then keeps depth 1. Two blocks (128 registers) were 4-8% slower at
+// 8192+ tokens for depth 1 of the fp32 cos/sin variants (benchmarks/NOTES.md).
+constexpr int kMinBlocksPerSm = 3;
+// Rows are requested one token ahead at every depth: two ahead (a ring of three stages)
+// was never more than 1% faster at two blocks per SM, and 23-33% slower at three.
+constexpr int kRowsAhead = 1;
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
 // (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default).
@@ -155,20 +158,20 @@ KVF_DEVICE float scale_of(const float* scale, uint32_t h) {
   else return 1.0f;
 }
 
-// A thread's two 16-byte row chunks per token, requested kDepth tokens ahead of its
+// A thread's two 16-byte row chunks per token, requested kAhead tokens ahead of its
 // math: fill(k, ...) loads those of the token k steps ahead (the prologue's k = 0..
-// kDepth-1, then kDepth in each iteration) and close() ends every token's request;
+// kAhead-1, then kAhead in each iteration) and close() ends every token's request;
 // front() gives the token being computed, pop() ends its iteration.
 // With asynchronous copies (NVIDIA sm_80+) the chunks wait in a shared-memory ring of
-// kDepth + 1 stages and hold no registers in flight; a stage is refilled one iteration
+// kAhead + 1 stages and hold no registers in flight; a stage is refilled one iteration
 // after its reads were consumed (the norm's shuffles, the stores) or never used, so no
 // copy overtakes a read that matters. Elsewhere (AMD, whose copy into LDS is a load and
 // then a store, so it would wait for each row) they wait in registers, a FIFO shifted
 // at pop(): a load stays in flight through at least one token's math.
-template <int kDepth>
+template <int kAhead>
 struct RowPipe {
 #if KVF_ASYNC_COPY
-  using Ring = uint4[kDepth + 1][2][kBlock];  // [stage][chunk][thread]: no bank conflicts
+  using Ring = uint4[kAhead + 1][2][kBlock];  // [stage][chunk][thread]: no bank conflicts
   Ring& ring;
   int put = 0, get = 0;
 
@@ -178,16 +181,16 @@ struct RowPipe {
   }
   KVF_DEVICE void close() {
     async_commit();  // one group per token, filled or not, so the waits count tokens
-    put = put + 1 == kDepth + 1 ? 0 : put + 1;
+    put = put + 1 == kAhead + 1 ? 0 : put + 1;
   }
   KVF_DEVICE void front(uint4 (&x)[2]) {
-    async_wait<kDepth>();  // this token's group has landed
+    async_wait<kAhead>();  // this token's group has landed
     x[0] = ring[get][0][threadIdx.x];
     x[1] = ring[get][1][threadIdx.x];
   }
-  KVF_DEVICE void pop() { get = get + 1 == kDepth + 1 ? 0 : get + 1; }
+  KVF_DEVICE void pop() { get = get + 1 == kAhead + 1 ? 0 : get + 1; }
 #else
-  uint4 fifo[kDepth + 1][2];  // fifo[k]: the token k steps ahead of the one computed
+  uint4 fifo[kAhead + 1][2];  // fifo[k]: the token k steps ahead of the one computed
 
   KVF_DEVICE void fill(int k, const char* p, int64_t gap) {
     fifo[k][0] = *reinterpret_cast<const uint4*>(p);
@@ -200,7 +203,7 @@ struct RowPipe {
   }
   KVF_DEVICE void pop() {
 #pragma unroll
-    for (int k = 0; k < kDepth; ++k) {
+    for (int k = 0; k < kAhead; ++k) {
       fifo[k][0] = fifo[k + 1][0];
       fifo[k][1] = fifo[k + 1][1];
     }
@@ -446,37 +449,35 @@ struct Fused {
 
   // A block's shared memory: the main loop's norm factors and row ring, then (after a
   // block barrier) the V loop's stage in the same bytes.
-  template <int kDepth>
   struct MainSmem {
     float norm_factors[4][D];
 #if KVF_ASYNC_COPY
-    typename RowPipe<kDepth>::Ring ring;
+    RowPipe<kRowsAhead>::Ring ring;
 #endif
   };
-  template <int kDepth>
   union Smem {
-    MainSmem<kDepth> main;
+    MainSmem main;
     uint4 v_stage[kStageVLoop ? kBlock / LPH / kVPair * D : 1];  // [run][dim] in v_stage_pos order
   };
-  static_assert(sizeof(Smem<KVF_MAX_PIPELINE_DEPTH>) + (kStageV ? kBlock / LANES * kStageBytes : 0) <= 48 * 1024,
+  static_assert(sizeof(Smem) + (kStageV ? kBlock / LANES * kStageBytes : 0) <= 48 * 1024,
                 "static shared memory");
 
-  // A thread's tokens go through a pipeline. Its two row chunks (the bulk of the bytes)
-  // are requested kDepth tokens ahead of its math (RowPipe: on NVIDIA into a ring in
-  // shared memory, by copies that hold no registers in flight, so the depth is bounded
-  // by shared memory rather than by the register budget). Position and slot come into
-  // registers up to two tokens ahead, the cos/sin rows (which wait on the position) one
-  // token ahead where the depth allows. Deeper costs a longer start: the best depth
-  // depends on the shape.
+  // A thread's tokens go through a pipeline of kDepth stages (the tuned pipeline depth).
+  // Its two row chunks (the bulk of the bytes) are requested one token ahead of its math
+  // (RowPipe: on NVIDIA into a ring in shared memory, by copies that hold no registers in
+  // flight); positions and slots come into registers kDepth tokens ahead, and the cos/sin
+  // rows, which wait on the position, kDepth - 1 ahead. Depth 2 takes that second round
+  // trip off each token's path (4-6% at 8192+ tokens, NOTES v6.8) for registers (spills
+  // with fp32 cos/sin or FP8 KV) and a longer start: the best depth depends on the shape.
   template <int kDepth>
-  static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block, Smem<kDepth>& smem) {
-    constexpr int kMeta = kDepth < 2 ? kDepth : 2;
-    constexpr int kCsAhead = kMeta >= 2 ? 1 : 0;
+  static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block, Smem& smem) {
+    constexpr int kMeta = kDepth;
+    constexpr int kCsAhead = kDepth - 1;
     float (&norm_factors)[4][D] = smem.main.norm_factors;
 #if KVF_ASYNC_COPY
-    RowPipe<kDepth> pipe{smem.main.ring};
+    RowPipe<kRowsAhead> pipe{smem.main.ring};
 #else
-    RowPipe<kDepth> pipe;
+    RowPipe<kRowsAhead> pipe;
 #endif
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
@@ -555,7 +556,7 @@ struct Fused {
     // arguments and the L2 prefetches.
     wait_prior_grid();
 #pragma unroll
-    for (int k = 0; k < kDepth; ++k) request_rows(k);
+    for (int k = 0; k < kRowsAhead; ++k) request_rows(k);
     Meta q[kMeta + 1];  // q[k]: the token k steps ahead of the one being computed
 #pragma unroll
     for (int k = 0; k < kMeta; ++k) fetch(q[k], first + k * tpp);
@@ -583,10 +584,10 @@ struct Fused {
     for (int64_t t = first; t < a.num_tokens; t += tpp) {
       // Register rows go out after the loads this token waits for: AMD retires loads in
       // order, so waiting for the cos/sin would otherwise wait for the next rows too.
-      if constexpr (KVF_ASYNC_COPY) request_rows(kDepth);
+      if constexpr (KVF_ASYNC_COPY) request_rows(kRowsAhead);
       fetch(q[kMeta], t + kMeta * tpp);
       fetch_cos_sin(q[kCsAhead]);
-      if constexpr (!KVF_ASYNC_COPY) request_rows(kDepth);
+      if constexpr (!KVF_ASYNC_COPY) request_rows(kRowsAhead);
       uint4 x[2];
       pipe.front(x);
       process(a, lane, r, d0, wf, kv_inv, t, x, q[0]);
@@ -781,14 +782,14 @@ struct Fused {
 };
 
 template <class VT, int kDepth>
-__global__ void __launch_bounds__(kBlock, min_blocks_per_sm(kDepth))
+__global__ void __launch_bounds__(kBlock, kMinBlocksPerSm)
     fused_kernel(const KVF_GRID_CONSTANT kvf_args_t a, const Dims dims) {
   // Launched as a dependent of the previous kernel: main_loop calls wait_prior_grid()
   // before it reads anything (every thread, before the V loop too). The next
   // launch may begin now; it waits for this grid.
   allow_next_grid();
   using F = Fused<VT>;
-  __shared__ typename F::template Smem<kDepth> smem;
+  __shared__ typename F::Smem smem;
   const int block = static_cast<int>(blockIdx.x);
   F::template main_loop<kDepth>(a, dims, block, smem);
   // Every thread then takes its share of the V loop, so that work (a few percent of
