@@ -11,14 +11,17 @@ transposed V (SHUFFLE) with V in the main loop and in the V loop, is checked aga
 the reference, then timed under CUDA-graph replay with inputs rotated past L2, as
 bench.py times (decode slots up to 256 tokens, prefill above). A launch other than the
 library's defaults is chosen only when it is more than 2% faster. Where V is transposed,
-counts of 257..DECODE_MAX_TOKENS are also timed as decodes at the chosen depth and tile,
-and V's place is the one whose worse slowdown over the two slot patterns is smaller.
-Token ranges are split at the geometric midpoints between the measured counts; the table
-goes to tuning/<name>.json, which the runtime reads (runtime/tuning.py). Nothing is tuned
+counts of 257..DECODE_MAX_TOKENS are also timed as decodes, each V place at its best
+depth and tile for prefills, and V's place is the one whose worse slowdown over the two
+slot patterns is smaller (again by more than 2% to move). Token ranges are split at the
+geometric midpoints between the measured counts (so the last decode-timed count's choice
+reaches to the midpoint above it); the table goes to tuning/<name>.json, with the build
+key of each variant it timed; the runtime reads it (runtime/tuning.py). Nothing is tuned
 at run time. Shapes: 4 kv heads are timed at TP1 (64, 4, 4 heads), 1 kv head at TP8.
 
 Each variant's results also go to <name>.json.partial as it finishes; --resume takes the
-variants found there (same command and device) instead of timing them again.
+variants found there whose build is unchanged (same command, device and torch) instead of
+timing them again. A run cut short leaves that file; another run refuses to overwrite it.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ MARGIN = 0.02
 # The table is keyed by token count alone, so one launch serves a count whatever its
 # slots. Decode batches this large are plausible (an engine's decode step has up to
 # max_num_seqs tokens, each in its own page), and there V in the main loop was 1.3-2.6x
-# faster than the V loop while prefills of those counts favoured the V loop by up to 6%
+# faster than the V loop while prefills of those counts favoured the V loop by up to 9%
 # (benchmarks/NOTES.md, v6.8).
 DECODE_MAX_TOKENS = 4096
 
@@ -83,12 +86,14 @@ def choose(times: dict[Launch, float], default: Launch) -> Launch:
     return best if times[best] < (1 - MARGIN) * times[default] else default
 
 
-def v_place(prefill: dict[Launch, float], decode: dict[Launch, float]) -> Launch:
-    """Of launches that differ in V's place only (both timed with both slot patterns), the
-    one whose worse slowdown against the faster place of the same pattern is smaller."""
+def v_place(prefill: dict[Launch, float], decode: dict[Launch, float], current: Launch) -> Launch:
+    """Of the launches timed with both slot patterns (one per V place), the one whose worse
+    slowdown against the faster of the same pattern is smaller; `current` unless another's
+    is clearly smaller."""
     def worst(launch: Launch) -> float:
         return max(prefill[launch] / min(prefill.values()), decode[launch] / min(decode.values()))
-    return min(decode, key=worst)
+    best = min(decode, key=worst)
+    return best if worst(best) < (1 - MARGIN) * worst(current) else current
 
 
 def tune_variant(v, tokens: list[int]) -> tuple[list, dict]:
@@ -100,12 +105,14 @@ def tune_variant(v, tokens: list[int]) -> tuple[list, dict]:
         measured[str(t)] = {f"depth{d}-tile{k}-vloop{p}": round(us, 3) for (d, k, p), us in times.items()}
         line = "  ".join(f"d{d}t{k}v{p} {us:.2f} us" for (d, k, p), us in times.items())
         if v_transposed(v) and DECODE_UP_TO < t <= DECODE_MAX_TOKENS:
-            both = [pick._replace(v_loop=p) for p in (V_LOOP_OFF, V_LOOP_ON)]
+            # the pick, and the other place at its best depth and tile
+            both = [pick if p == pick.v_loop else min((x for x in times if x.v_loop == p), key=times.get)
+                    for p in (V_LOOP_OFF, V_LOOP_ON)]
             decode = time_launches(v, t, both, slots="decode")
-            pick = v_place({launch: times[launch] for launch in both}, decode)
+            pick = v_place({launch: times[launch] for launch in both}, decode, pick)
             measured[str(t)].update({f"decode-depth{d}-tile{k}-vloop{p}": round(us, 3)
                                      for (d, k, p), us in decode.items()})
-            line += "  decode: " + "  ".join(f"v{p} {us:.2f} us" for (_, _, p), us in decode.items())
+            line += "  decode: " + "  ".join(f"d{d}t{k}v{p} {us:.2f} us" for (d, k, p), us in decode.items())
         picks.append((t, pick))
         print(f"{v.uri} T={t}: {line}  -> depth {pick.depth} tile {pick.tile} v_loop {pick.v_loop}", flush=True)
     return ranges(picks), measured
@@ -127,9 +134,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="h200", help="writes tuning/<name>.json")
     ap.add_argument("--out", default=str(TUNED))
-    # 2048 and 4096 besides bench.py's counts: SHUFFLE's V loop starts to pay there at one
-    # kv head (at four, between 512 and 2048).
-    # 512 because FP8 with 4 kv heads changes V's place between 128 and 1024 tokens.
+    # 512, 2048 and 4096 besides bench.py's counts: where SHUFFLE's V loop starts to pay
+    # for prefills (between 128 and 1024 tokens for FP8 at four kv heads, 4096 at one).
     ap.add_argument("--tokens", default="1,16,128,512,1024,2048,4096,8192,32768,65536")
     ap.add_argument("--all", action="store_true", help="every listed variant, not only the benchmark's")
     ap.add_argument("--resume", action="store_true", help="take the variants <name>.json.partial holds")
@@ -139,31 +145,40 @@ def main() -> int:
     else:
         variants = sorted({find_variant(axes, nkv) for axes in CONFIGS.values() for nkv in (1, 4)},
                           key=lambda v: v.uri)
-    build.build_many([build.Job(v.uri, source_of(v)) for v in variants], toolchain.default())
+    tc = toolchain.default()
+    jobs = [build.Job(v.uri, source_of(v)) for v in variants]
+    build.build_many(jobs, tc)
     tokens = sorted(map(int, args.tokens.split(",")))
     if len(set(tokens)) != len(tokens) or tokens[0] < 1:
         ap.error(f"--tokens: expected distinct positive counts, got {args.tokens}")
     table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "abi": ABI_VERSION,
              "command": f"python benchmarks/tune.py --name {args.name} --tokens {args.tokens}"
                         + (" --all" if args.all else ""),
+             "builds": {job.uri: build.cache_key(job.source, tc) for job in jobs},
              "choices": {}, "measured_us": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / f"{args.name}.json.partial"
+    if partial.exists() and not args.resume:
+        ap.error(f"{partial} holds a run cut short: pass --resume to continue it, or remove it")
     if args.resume and partial.exists():
         done = json.loads(partial.read_text())
         if any(done.get(k) != table[k] for k in ("device", "torch", "abi", "command")):
-            ap.error(f"--resume: {partial} was made by another command, device or build; remove it")
-        table.update(choices=done["choices"], measured_us=done["measured_us"])
-        print(f"resuming: {len(done['choices'])} variants from {partial}", flush=True)
+            ap.error(f"--resume: {partial} was made by another command, device or torch; remove it")
+        kept = [uri for uri in done["choices"] if done["builds"].get(uri) == table["builds"].get(uri)]
+        for uri in kept:
+            table["choices"][uri], table["measured_us"][uri] = done["choices"][uri], done["measured_us"][uri]
+        changed = len(done["choices"]) - len(kept)
+        print(f"resuming: {len(kept)} variants from {partial}"
+              + (f" ({changed} re-timed: their builds changed)" if changed else ""), flush=True)
     for v in variants:
         if v.uri in table["choices"]:
             continue
         table["choices"][v.uri], table["measured_us"][v.uri] = tune_variant(v, tokens)
-        partial.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        build.write_if_different(partial, json.dumps(table, indent=1, sort_keys=True) + "\n")
     parse(table, "tuner output")  # what the runtime will accept
-    (out / f"{args.name}.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    partial.unlink()
+    build.write_if_different(out / f"{args.name}.json", json.dumps(table, indent=1, sort_keys=True) + "\n")
+    partial.unlink(missing_ok=True)
     print(f"wrote {out / (args.name + '.json')}")
     return 0
 

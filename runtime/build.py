@@ -57,7 +57,8 @@ class Job:
         return self.directory(tc, root) / f"{self.uri}{tc.output_suffix}"
 
 
-def _write_if_different(path: Path, text: str) -> None:
+def write_if_different(path: Path, text: str) -> None:
+    """Replace `path` by `text` in one step (a reader never sees half a file), unless equal."""
     if not path.exists() or path.read_text() != text:
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         tmp.write_text(text)
@@ -80,12 +81,12 @@ def write_ninja(jobs: Iterable[Job], tc: Toolchain, root: Path, ninja_file: Path
         d = job.directory(tc, root)
         d.mkdir(parents=True, exist_ok=True)
         src = d / f"{job.uri}.hip"
-        _write_if_different(src, job.source)
+        write_if_different(src, job.source)
         lib = job.library(tc, root)
         libs.append(lib)
         rules += [f"build {lib}: cc {src}", f"  kind = {tc.kind}", f"  arch = {tc.arch}",
                   f"  uri = {job.uri}", ""]
-    _write_if_different(ninja_file, "\n".join(rules))
+    write_if_different(ninja_file, "\n".join(rules))
     return libs
 
 

@@ -84,8 +84,8 @@ def parse(data, where: str) -> Table:
         raise TuningError(f"{where}: expected an object with a 'device' name")
     abi = data.get("abi")
     if type(abi) is not int or abi != ABI_VERSION:
-        found = "no 'abi' (before ABI 5)" if abi is None else f"ABI {abi!r}"
-        raise TuningError(f"{where}: tuned for {found}, but this runtime's launches are ABI {ABI_VERSION} "
+        found = "names no ABI (it predates ABI 5)" if abi is None else f"was tuned for ABI {abi!r}"
+        raise TuningError(f"{where}: {found}, but this runtime's launches are ABI {ABI_VERSION} "
                           f"(a field may mean something else): re-run benchmarks/tune.py")
     choices = data.get("choices")
     if not isinstance(choices, dict):

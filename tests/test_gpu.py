@@ -191,8 +191,9 @@ def test_launch_with_reads_no_tuned_table(monkeypatch):
 
     monkeypatch.setattr(runtime.api.tuning, "table_for", stale)
     monkeypatch.setattr(runtime.api, "_PLANS", {})
+    monkeypatch.setattr(runtime.api.dispatch, "launch", lambda argv: False)  # no signature bound before
     v = _seed_variant()
-    args = make_inputs(v, 13, 8, 2, slots="decode", device="cuda", seed=4)  # a signature no other test binds
+    args = make_inputs(v, 13, 8, 2, slots="decode", device="cuda", seed=4)
     check_against_reference(args, lambda **a: launch_with(Launch(1, 2, V_LOOP_OFF), **a)(), ref_device="cuda")
     with pytest.raises(TuningError, match="a stale table"):
         fused_qknorm_rope_cache(**with_outputs(args))

@@ -10,7 +10,7 @@
 // lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction is
 // a shuffle butterfly inside the group. Tokens go to threads in tiles of one or two
 // (tuned), the tile's groups of each head side by side. A main-loop thread keeps one
-// head lane for every token it visits and requests the next tokens' rows (RowPipe)
+// head lane for every token it visits and requests the next token's rows (RowPipe)
 // while computing the current. V of a layout that scatters one token's dims (SHUFFLE)
 // goes, in long calls (kvf_args_t::v_loop), to a second loop every thread runs after the
 // main one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
@@ -32,8 +32,8 @@ constexpr int kVec = 8;       // model-dtype elements per chunk (16 bytes); a la
 constexpr int kBlock = 256;
 // Resident blocks per SM the register cap keeps: three of 256 threads (80 registers) at
 // every pipeline depth. A thread has few bytes in flight, so the SM needs many threads;
-// the cap spills a few words at depth 1 (FP8) and more at depth 2 (FP8, fp32 cos/sin),
-// where the tuner then keeps depth 1. Two blocks (128 registers) were 4-8% slower at
+// the cap spills a few words at depth 1 (FP8) and more at depth 2 (FP8 with 4 kv heads,
+// fp32 cos/sin), where the tuner then keeps depth 1. Two blocks (128 registers) were 4-8% slower at
 // 8192+ tokens for depth 1 of the fp32 cos/sin variants (benchmarks/NOTES.md).
 constexpr int kMinBlocksPerSm = 3;
 // Rows are requested one token ahead at every depth: two ahead (a ring of three stages)
