@@ -33,8 +33,8 @@ constexpr int kBlock = 256;
 // Resident blocks per SM the register cap keeps: three of 256 threads (80 registers) at
 // every pipeline depth. A thread has few bytes in flight, so the SM needs many threads;
 // the cap spills a few words at depth 1 (FP8) and more at depth 2 (FP8 with 4 kv heads,
-// fp32 cos/sin), where the tuner then keeps depth 1. Two blocks (128 registers) were 4-8% slower at
-// 8192+ tokens for depth 1 of the fp32 cos/sin variants (benchmarks/NOTES.md).
+// fp32 cos/sin), where the tuner then keeps depth 1. Two blocks (128 registers) were
+// 4-8% slower at 8192+ tokens for depth 1 of the fp32 cos/sin variants (NOTES).
 constexpr int kMinBlocksPerSm = 3;
 // Rows are requested one token ahead at every depth: two ahead (a ring of three stages)
 // was never more than 1% faster at two blocks per SM, and 23-33% slower at three.
@@ -468,7 +468,8 @@ struct Fused {
   // flight); positions and slots come into registers kDepth tokens ahead, and the cos/sin
   // rows, which wait on the position, kDepth - 1 ahead. Depth 2 takes that second round
   // trip off each token's path (4-6% at 8192+ tokens, NOTES v6.8) for registers (spills
-  // with fp32 cos/sin or FP8 KV) and a longer start: the best depth depends on the shape.
+  // with fp32 cos/sin, or FP8 KV at 4 kv heads) and a longer start: the best depth
+  // depends on the shape.
   template <int kDepth>
   static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block, Smem& smem) {
     constexpr int kMeta = kDepth;
