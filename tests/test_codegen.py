@@ -105,6 +105,15 @@ def test_list_filters_by_name():
     assert f"{len(want)} variants ({len(SPEC.variants)} in variants.yaml" in proc.stderr
 
 
+def test_list_into_a_closed_pipe_stops_quietly():
+    """`python -m codegen list | head -1`: the reader is gone before the list is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "codegen", "list"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # long before the child has imported anything
+    err = proc.stderr.read()
+    assert proc.wait() == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_broken_yaml_fails_check_with_the_line(tmp_path):
     bad = tmp_path / "variants.yaml"
     bad.write_text(VARIANTS_YAML.read_text().replace("  norm: gemma", "  norm: gemma\n  norm: plain", 1))
