@@ -3,9 +3,8 @@ transposed V is written, per variant and token range.
 
 Which launch is fastest depends on the shape: a deeper pipeline (cos/sin loaded a token
 ahead) hides more memory latency on long runs of tokens but costs registers and a longer
-start on short ones;
-two tokens per tile make a head's stores of both one instruction (whole sectors for
-SHUFFLE's K) but leave half the lanes idle on a one-token call; SHUFFLE's V loop stores
+start on short ones; two tokens per tile make a head's stores of both one instruction
+(whole sectors for SHUFFLE's K) but leave half the lanes idle on a one-token call; SHUFFLE's V loop stores
 whole 16-byte runs but is a second trip to memory after the main loop, which pays only
 once the call is long enough. `benchmarks/tune.py` times every depth a library holds
 (1..KVF_MAX_PIPELINE_DEPTH) with every tile (1..KVF_MAX_TOKENS_PER_TILE), and for a
@@ -29,8 +28,8 @@ from typing import NamedTuple, Optional
 
 from codegen.paths import TUNED
 
-from .abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE,
-                  V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
+from .abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH,
+                  MAX_TOKENS_PER_TILE, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
 
 
 class Launch(NamedTuple):
