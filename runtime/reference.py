@@ -19,19 +19,21 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def to_fp8(v: torch.Tensor, fmt: Fp8, saturate: bool) -> torch.Tensor:
-    """fp32 → FP8 (round to nearest even). Without saturation a value that rounds past
-    the format's max becomes its NaN, on every torch version (torch itself saturates
-    e4m3fn since 2.x but not e4m3fnuz)."""
+    """fp32 → FP8 (round to nearest even). Saturating, values are clamped to ±max first;
+    without saturation a value that rounds past the max becomes NaN (signed on e4m3fn), on
+    every torch version (torch itself saturates e4m3fn since 2.x but not e4m3fnuz). A NaN
+    input becomes the format's positive NaN code either way (torch's own cast keeps its
+    sign on some backends; the kernels' converters do not)."""
     dtype = FP8_DTYPES[fmt]
-    if saturate:
-        return v.clamp(-fmt.max, fmt.max).to(dtype)
     out = v.clamp(-fmt.max, fmt.max).to(dtype).view(torch.uint8)
+    nan = torch.full_like(out, 0x7F if fmt is Fp8.E4M3FN else 0x80)
+    if saturate:
+        return torch.where(v.isnan(), nan, out).view(dtype)
     mag = v.abs()
     if fmt is Fp8.E4M3FN:
         nan = torch.where(v < 0, 0xFF, 0x7F).to(torch.uint8)
         overflow = (mag > 464) | v.isnan()
     else:
-        nan = torch.full_like(out, 0x80)
         overflow = (mag >= 248) | v.isnan()
     return torch.where(overflow, nan, out).view(dtype)
 

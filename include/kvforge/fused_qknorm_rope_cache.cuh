@@ -75,31 +75,14 @@ KVF_DEVICE void pack_model(const float (&f)[kVec], uint32_t (&w)[4]) {
   for (int i = 0; i < 4; ++i) w[i] = M::from_float(f[2 * i]) | (M::from_float(f[2 * i + 1]) << 16);
 }
 
-// Round every value to the model dtype (the unfused path's q_out / K / index_k).
-template <class M>
-KVF_DEVICE void round_to_model(const float (&f)[kVec], float (&r)[kVec], uint32_t (&w)[4]) {
-  pack_model<M>(f, w);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    r[2 * i] = M::to_float(w[i] & 0xffffu);
-    r[2 * i + 1] = M::to_float(w[i] >> 16);
-  }
-}
-
-// value * inv_scale, clamped to the format's max when saturating, to FP8.
+// value * inv_scale to FP8, saturating to the format's max or (passthrough) with
+// out-of-range values as NaN.
 template <Fp8 F, bool Saturate>
 KVF_DEVICE void pack_fp8(const float (&f)[kVec], float inv_scale, uint32_t (&w)[2]) {
-  constexpr float kMax = Fp8Format<F>::kMax;
-  float v[kVec];
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    v[j] = f[j] * inv_scale;
-    if constexpr (Saturate) v[j] = fminf(fmaxf(v[j], -kMax), kMax);
-  }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    w[i] = fp8x2_from_float<F, Saturate>(v[4 * i], v[4 * i + 1]) |
-           (fp8x2_from_float<F, Saturate>(v[4 * i + 2], v[4 * i + 3]) << 16);
+    w[i] = fp8x2_from_float<F, Saturate>(f[4 * i] * inv_scale, f[4 * i + 1] * inv_scale) |
+           (fp8x2_from_float<F, Saturate>(f[4 * i + 2] * inv_scale, f[4 * i + 3] * inv_scale) << 16);
   }
 }
 
@@ -638,15 +621,25 @@ struct Fused {
     if (m.pos < 0) return;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float r[kVec];
+      // The model-dtype rounding (q_out, K, index_k); FP8 quantizes it where the unfused
+      // path does (kRoundBeforeQuant). Unpacked only in those branches: shared, it made
+      // the compiler round every lane's values one by one (F2F, a slow pipe) instead of
+      // in pairs (FP8 SHUFFLE, NOTES v6.9).
       uint32_t bits[4];
-      round_to_model<M>(y[i], r, bits);
+      pack_model<M>(y[i], bits);
+      auto quant_src = [&](float (&r)[kVec]) {
+        if constexpr (VT::kRoundBeforeQuant) unpack8<M>(make_uint4(bits[0], bits[1], bits[2], bits[3]), r);
+        else for (int j = 0; j < kVec; ++j) r[j] = y[i][j];
+      };
       if (kind == kQ) {
         char* dst = static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + d0[i]) * 2;
         store_bytes<16>(dst, bits, 0);
       } else if (kind == kK) {
-        if (slot_ok<typename VT::K>(a.k_cache, slot))
-          put_kv<typename VT::K>(a.k_cache, kv_inv, slot, head, d0[i], VT::kRoundBeforeQuant ? r : y[i], bits);
+        if (slot_ok<typename VT::K>(a.k_cache, slot)) {
+          float r[kVec];
+          quant_src(r);
+          put_kv<typename VT::K>(a.k_cache, kv_inv, slot, head, d0[i], r, bits);
+        }
       } else if (kind == kIQ) {
         char* base = static_cast<char*>(a.index_q_out);
         const int64_t e = (t * a.num_index_heads + head) * D + d0[i];
@@ -659,8 +652,10 @@ struct Fused {
         }
       } else if (slot_ok<typename VT::Index>(a.index_cache, slot)) {
         if constexpr (VT::kIndexFp8) {
+          float r[kVec];
+          quant_src(r);
           uint32_t q[2];
-          pack_fp8<VT::kFp8, true>(VT::kRoundBeforeQuant ? r : y[i], 1.0f, q);
+          pack_fp8<VT::kFp8, true>(r, 1.0f, q);
           store_dims<typename VT::Index>(a.index_cache, slot, 0, d0[i], q);
         } else {
           store_dims<typename VT::Index>(a.index_cache, slot, 0, d0[i], bits);

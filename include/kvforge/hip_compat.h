@@ -327,18 +327,32 @@ KVF_DEVICE uint32_t fp8_overflow_to_nan(uint32_t code, float v) {
   return F == Fp8::E4M3FN ? 0x7fu | ((float_to_bits(v) >> 24) & 0x80u) : 0x80u;
 }
 
-// Two values at once (a in the low byte). The hardware converters saturate or differ
-// out of range, so they only ever see clamped input; without saturation (Clamped false)
-// the out-of-range results are then patched to NaN.
-template <Fp8 F, bool Clamped>
+// v clamped to +-max; NaN stays NaN (torch's clamp), so it converts to the format's NaN.
+template <Fp8 F>
+KVF_DEVICE float fp8_clamp(float v) {
+  constexpr float kMax = Fp8Format<F>::kMax;
+  return v > kMax ? kMax : (v < -kMax ? -kMax : v);
+}
+
+// Two values at once (a in the low byte), saturating to +-max or (passthrough) with
+// out-of-range values as NaN. NVIDIA's converter saturates by itself (.satfinite: past
+// the max and +-inf become +-max, NaN stays NaN), and an e4m3fn +-max code (S.1111.110)
+// becomes that sign's NaN (S.1111.111) by setting its lowest bit: a test and an OR a
+// value, where the byte-wise patch extracts, tests and reassembles each byte (NOTES
+// v6.9). Other converters see clamped input and are patched byte-wise.
+template <Fp8 F, bool Saturate>
 KVF_DEVICE uint32_t fp8x2_from_float(float a, float b) {
-  if constexpr (kHardwareFp8<F>) {
-    constexpr float kMax = Fp8Format<F>::kMax;
-    constexpr bool kClamp = !Clamped && !kHardwareFp8Saturates;
-    const uint32_t r = fp8x2_hardware<F>(kClamp ? fminf(fmaxf(a, -kMax), kMax) : a,
-                                         kClamp ? fminf(fmaxf(b, -kMax), kMax) : b);
-    if constexpr (Clamped) return r;
+  if constexpr (kHardwareFp8<F> && kHardwareFp8Saturates) {
+    static_assert(F == Fp8::E4M3FN, "the NaN patch below assumes e4m3fn codes");
+    const uint32_t r = fp8x2_hardware<F>(a, b);
+    if constexpr (Saturate) return r;
+    return r | (fabsf(a) <= 464.0f ? 0u : 0x01u) | (fabsf(b) <= 464.0f ? 0u : 0x100u);
+  } else if constexpr (kHardwareFp8<F>) {
+    const uint32_t r = fp8x2_hardware<F>(fp8_clamp<F>(a), fp8_clamp<F>(b));
+    if constexpr (Saturate) return r;
     return fp8_overflow_to_nan<F>(r & 0xffu, a) | (fp8_overflow_to_nan<F>(r >> 8, b) << 8);
+  } else if constexpr (Saturate) {
+    return fp8_from_float_soft<F>(fp8_clamp<F>(a)) | (fp8_from_float_soft<F>(fp8_clamp<F>(b)) << 8);
   } else {
     return fp8_from_float_soft<F>(a) | (fp8_from_float_soft<F>(b) << 8);
   }

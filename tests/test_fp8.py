@@ -1,0 +1,78 @@
+"""The kernels' FP8 conversion against the reference's (runtime.reference.to_fp8) on every
+bf16 and fp16 value, every exact rounding tie of both formats, the range's edges, NaN
+and random fp32 values: the software routine (the one every target without a native
+converter for a flavour runs: e4m3fnuz on NVIDIA, e4m3fn on gfx942) built for the host,
+and on the GPU the kernels' own path, saturating and passthrough, for both flavours."""
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from codegen.model import Fp8
+from codegen.paths import INCLUDE, ROOT
+from runtime import toolchain
+from runtime.reference import to_fp8
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+NATIVE = ROOT / "tests" / "native" / "fp8_codes.cu"
+
+
+def _inputs() -> torch.Tensor:
+    every16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    parts = [every16.view(torch.bfloat16).float(), every16.view(torch.float16).float()]
+    for dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        grid = grid[grid.isfinite()].unique()
+        mid = (grid[1:] + grid[:-1]) / 2  # exact ties: round to even
+        parts += [grid, mid, mid.nextafter(torch.tensor(float("inf"))),
+                  mid.nextafter(torch.tensor(float("-inf")))]
+    gen = torch.Generator().manual_seed(0)
+    parts.append(torch.randn(200_000, generator=gen) * torch.exp2(torch.randint(-14, 12, (200_000,),
+                                                                                generator=gen).float()))
+    parts.append(torch.tensor([0.0, -0.0, 448.0, 464.0, 465.0, 240.0, 247.9, 248.0, 1e30,
+                               float("inf"), float("-inf"), float("nan"), -1000.0, -465.0, -464.0]))
+    return torch.cat(parts).contiguous()
+
+
+def _codes(cmd: list[str], mode: str, values: torch.Tensor, tmp_path: Path) -> torch.Tensor:
+    """Build the harness with `cmd` (its output path last but one), run it in `mode`."""
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    # the raw floats, without numpy (the CPU torch wheel does not bring it)
+    (tmp_path / "in.bin").write_bytes(ctypes.string_at(values.data_ptr(), values.numel() * 4))
+    subprocess.run([cmd[cmd.index("-o") + 1], mode, str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+                   check=True)
+    return torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.uint8)
+
+
+def _compare(got: torch.Tensor, values: torch.Tensor, fmt: Fp8, saturate: bool) -> None:
+    want = to_fp8(values, fmt, saturate).view(torch.uint8)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, (f"{fmt.value} saturate={saturate}: {bad.numel()} of {values.numel()} differ, "
+                              f"first at {values[bad[0]].item()!r}: got {got[bad[0]]:#x}, want {want[bad[0]]:#x}")
+
+
+def test_software_fp8_matches_the_reference(tmp_path):
+    exe = tmp_path / "fp8_codes"
+    values = _inputs()
+    codes = _codes(["nvcc", "-x", "cu", "-std=c++17", "-O2", f"-I{INCLUDE}", "-o", str(exe), str(NATIVE)],
+                   "soft", values, tmp_path)
+    n = values.numel()
+    for i, fmt in enumerate((Fp8.E4M3FN, Fp8.E4M3FNUZ)):
+        _compare(codes[i * n:(i + 1) * n], values, fmt, saturate=False)
+
+
+@pytest.mark.gpu
+def test_the_kernels_fp8_path_on_the_gpu_matches_the_reference(tmp_path):
+    """Built with the kernels' own flags for this GPU (its converter, where it has one)."""
+    tc = toolchain.default()
+    if tc.kind != "nvcc":
+        pytest.skip("the harness is CUDA host code")
+    values = _inputs()
+    cmd = [c for c in tc.command(str(NATIVE), str(tmp_path / "fp8_codes")) if c != "-shared"]
+    codes = _codes(cmd, "device", values, tmp_path)
+    n = values.numel()
+    for i, (fmt, saturate) in enumerate([(f, s) for f in (Fp8.E4M3FN, Fp8.E4M3FNUZ) for s in (True, False)]):
+        _compare(codes[i * n:(i + 1) * n], values, fmt, saturate)
