@@ -22,8 +22,8 @@ def to_fp8(v: torch.Tensor, fmt: Fp8, saturate: bool) -> torch.Tensor:
     """fp32 → FP8 (round to nearest even). Saturating, values are clamped to ±max first;
     without saturation a value that rounds past the max becomes NaN (signed on e4m3fn), on
     every torch version (torch itself saturates e4m3fn since 2.x but not e4m3fnuz). A NaN
-    input becomes the format's positive NaN code either way (torch's own cast keeps its
-    sign on some backends; the kernels' converters do not)."""
+    input becomes the format's positive NaN code either way, as the kernels give it
+    (torch's own cast keeps the sign on some backends)."""
     dtype = FP8_DTYPES[fmt]
     out = v.clamp(-fmt.max, fmt.max).to(dtype).view(torch.uint8)
     nan = torch.full_like(out, 0x7F if fmt is Fp8.E4M3FN else 0x80)

@@ -1,8 +1,8 @@
 """The kernels' FP8 conversion against the reference's (runtime.reference.to_fp8) on every
 bf16 and fp16 value, every exact rounding tie of both formats, the range's edges, NaN
-and random fp32 values: the software routine (the one every target without a native
-converter for a flavour runs: e4m3fnuz on NVIDIA, e4m3fn on gfx942) built for the host,
-and on the GPU the kernels' own path, saturating and passthrough, for both flavours."""
+and random fp32 values, both flavours, saturating and passthrough: the software routine
+(the one every target without a native converter for a flavour runs: e4m3fnuz on NVIDIA,
+e4m3fn on gfx942) built for the host, and on the GPU the kernels' own path."""
 import ctypes
 import shutil
 import subprocess
@@ -47,21 +47,21 @@ def _codes(cmd: list[str], mode: str, values: torch.Tensor, tmp_path: Path) -> t
     return torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.uint8)
 
 
-def _compare(got: torch.Tensor, values: torch.Tensor, fmt: Fp8, saturate: bool) -> None:
-    want = to_fp8(values, fmt, saturate).view(torch.uint8)
-    bad = (got != want).nonzero().flatten()
-    assert bad.numel() == 0, (f"{fmt.value} saturate={saturate}: {bad.numel()} of {values.numel()} differ, "
-                              f"first at {values[bad[0]].item()!r}: got {got[bad[0]]:#x}, want {want[bad[0]]:#x}")
+def _compare(codes: torch.Tensor, values: torch.Tensor) -> None:
+    """The harness's four blocks (e4m3fn then e4m3fnuz, each saturating then passthrough)."""
+    n = values.numel()
+    for i, (fmt, saturate) in enumerate([(f, s) for f in (Fp8.E4M3FN, Fp8.E4M3FNUZ) for s in (True, False)]):
+        got = codes[i * n:(i + 1) * n]
+        want = to_fp8(values, fmt, saturate).view(torch.uint8)
+        bad = (got != want).nonzero().flatten()
+        assert bad.numel() == 0, (f"{fmt.value} saturate={saturate}: {bad.numel()} of {n} differ, first at "
+                                  f"{values[bad[0]].item()!r}: got {got[bad[0]]:#x}, want {want[bad[0]]:#x}")
 
 
 def test_software_fp8_matches_the_reference(tmp_path):
-    exe = tmp_path / "fp8_codes"
     values = _inputs()
-    codes = _codes(["nvcc", "-x", "cu", "-std=c++17", "-O2", f"-I{INCLUDE}", "-o", str(exe), str(NATIVE)],
-                   "soft", values, tmp_path)
-    n = values.numel()
-    for i, fmt in enumerate((Fp8.E4M3FN, Fp8.E4M3FNUZ)):
-        _compare(codes[i * n:(i + 1) * n], values, fmt, saturate=False)
+    cmd = ["nvcc", "-x", "cu", "-std=c++17", "-O2", f"-I{INCLUDE}", "-o", str(tmp_path / "fp8_codes"), str(NATIVE)]
+    _compare(_codes(cmd, "host", values, tmp_path), values)
 
 
 @pytest.mark.gpu
@@ -72,7 +72,4 @@ def test_the_kernels_fp8_path_on_the_gpu_matches_the_reference(tmp_path):
         pytest.skip("the harness is CUDA host code")
     values = _inputs()
     cmd = [c for c in tc.command(str(NATIVE), str(tmp_path / "fp8_codes")) if c != "-shared"]
-    codes = _codes(cmd, "device", values, tmp_path)
-    n = values.numel()
-    for i, (fmt, saturate) in enumerate([(f, s) for f in (Fp8.E4M3FN, Fp8.E4M3FNUZ) for s in (True, False)]):
-        _compare(codes[i * n:(i + 1) * n], values, fmt, saturate)
+    _compare(_codes(cmd, "device", values, tmp_path), values)
