@@ -7,7 +7,8 @@ every case of MiniMax-M3 TP1/TP4/TP8 × tokens × {vllm_shuffle16 bf16, vllm_shu
 sglang_nhd bf16, vllm_m3 bf16}, each checked against the reference first, then timed as
 GPU time per call under CUDA-graph replay of many back-to-back calls (median of several
 replays), rotating input sets so the working set is several times the 60 MB L2; the peers
-on the same inputs the same way. Writes benchmarks/results/<name>.json and regenerates
+on the same inputs the same way, and a copy of the same bytes (the cost of moving them at
+that size, without the op's math and dependent reads). Writes benchmarks/results/<name>.json and regenerates
 BENCHMARKS.md and the plot (benchmarks/report.py).
 """
 from __future__ import annotations
@@ -113,6 +114,22 @@ def graph_us(calls: list, reps: int = 7, warmup_ms: float = 100.0) -> float:
     return statistics.median(events_ms(g.replay, reps)) * 1e3 / len(calls)
 
 
+def same_bytes_copy_us(nbytes: int, n_sets: int, n_calls: int) -> float:
+    """GPU µs per call of a kernel that copies the op's bytes (half read, half written), over
+    as many buffers rotated and timed as the op is: what these bytes cost at this size,
+    launch and ramp included, with no math and no dependent reads. An elementwise kernel
+    (int32 + 0, 16-byte accesses), not `copy_`: captured in a graph, that is a memcpy node,
+    which ran at 2.8 TB/s for 1.3 GB on the H200, below the 2 GiB eager copy."""
+    n = max(1, nbytes // 8)  # int32 elements: nbytes / 2 read, as many written
+    bufs = [(torch.zeros(n, dtype=torch.int32, device="cuda"),
+             torch.empty(n, dtype=torch.int32, device="cuda")) for _ in range(n_sets)]
+    us = graph_us([functools.partial(torch.add, bufs[i % n_sets][0], 0, out=bufs[i % n_sets][1])
+                   for i in range(n_calls)])
+    del bufs
+    torch.cuda.empty_cache()
+    return us
+
+
 def launch_floor_us(n_calls: int = 400) -> float:
     """GPU µs per call of a trivial kernel (torch's one-element `add_`) timed as the op
     is: what a launch alone costs in this replay (torch launches without PDL)."""
@@ -171,6 +188,7 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
             rec[f"{peer}_error"] = f"{type(e).__name__}: {e}"[:300]
     del sets
     torch.cuda.empty_cache()
+    rec["copy_same_bytes_us"] = same_bytes_copy_us(nbytes, n_sets, n_calls)
     return rec
 
 

@@ -27,6 +27,9 @@ def _run_section(name: str, result: dict) -> list[str]:
         f"- copy roofline (2 GiB device-to-device, read + write, same run): **{result['copy_gbps']:.0f} GB/s**",
         f"- timing: {result['timing']}",
         "- bytes: qkv read once + q_out, index_q_out, K, V, index-cache writes + positions/slots",
+        "- same-bytes copy: a device-to-device copy moving the case's bytes (half read, half "
+        "written), rotating as many buffers, timed the same way; % of it = its µs / ours: how "
+        "close a case is to what moving its bytes costs at that size",
         "- depth, tile, V: the main loop's pipeline depth, its tokens per tile, and where a "
         "transposed V is written (the V loop or the main loop; – where V is not transposed), as "
         "the runtime picked them from `tuning/` (made by `benchmarks/tune.py`)",
@@ -48,13 +51,15 @@ def _run_section(name: str, result: dict) -> list[str]:
     recs = result["records"]
     for config in dict.fromkeys(r["config"] for r in recs):
         lines += [f"### {config}", "",
-                  "| TP | tokens | slots | depth | tile | V | µs (graph) | µs (event, 1 call) | GB/s | % copy | eager µs | compile µs | × eager | × compile |",
-                  "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| TP | tokens | slots | depth | tile | V | µs (graph) | µs (event, 1 call) | GB/s | % copy "
+                  "| same-bytes copy µs | % of it | eager µs | compile µs | × eager | × compile |",
+                  "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in (r for r in recs if r["config"] == config):
-            e, c = r.get("eager_us"), r.get("compile_us")
+            e, c, s = r.get("eager_us"), r.get("compile_us"), r.get("copy_same_bytes_us")
             lines.append(
                 f"| {r['tp']} | {r['tokens']} | {r['slots']} | {r['pipeline_depth']} | {r['tokens_per_tile']} | {r.get('v_written') or '–'} | {r['us']:.2f} | {r['us_event_per_call']:.1f} | "
-                f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | {_fmt(e)} | {_fmt(c)} | "
+                f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | {_fmt(s, '.2f')} | {_fmt(100 * s / r['us'] if s else None)} | "
+                f"{_fmt(e)} | {_fmt(c)} | "
                 f"{_fmt(e / r['us'] if e else None)} | {_fmt(c / r['us'] if c else None)} |")
         lines.append("")
     return lines

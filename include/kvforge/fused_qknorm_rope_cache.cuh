@@ -20,6 +20,8 @@
 // same way). AMD stages neither: registers and LDS (see kStageV).
 #pragma once
 
+#include <type_traits>
+
 #include "kvforge/abi.h"
 #include "kvforge/hip_compat.h"
 
@@ -430,20 +432,34 @@ struct Fused {
   // quarter warp) would not either way.
   static KVF_DEVICE uint32_t v_stage_pos(uint32_t d) { return (d & ~7u) | ((d ^ (d >> 3)) & 7u); }
 
-  // A block's shared memory: the main loop's norm factors and row ring, then (after a
-  // block barrier) the V loop's stage in the same bytes.
+  // A block's shared memory: the main loop's norm factors and row ring, the V loop's
+  // stage, and the count of the block's V-loop items taken. The stage has bytes of its
+  // own where all fits in static shared memory (FP8: 39 KB), so a warp starts on the V
+  // loop when its main loop ends; else (bf16: 59 KB) it reuses the main loop's bytes
+  // after a block barrier, and the warps that finish first wait there.
   struct MainSmem {
     float norm_factors[4][D];
 #if KVF_ASYNC_COPY
     RowPipe<kRowsAhead>::Ring ring;
 #endif
   };
-  union Smem {
+  static constexpr int kStageVecs = kStageVLoop ? kBlock / LPH / kVPair * D : 1;  // [run][dim], v_stage_pos order
+  static constexpr int kPutVBytes = kStageV ? kBlock / LANES * kStageBytes : 0;    // put_v_by_dim's rows
+  static constexpr bool kStageApart =
+      sizeof(MainSmem) + kStageVecs * sizeof(uint4) + sizeof(int) + kPutVBytes <= 48 * 1024;
+  struct Apart {
     MainSmem main;
-    uint4 v_stage[kStageVLoop ? kBlock / LPH / kVPair * D : 1];  // [run][dim] in v_stage_pos order
+    uint4 v_stage[kStageVecs];
   };
-  static_assert(sizeof(Smem) + (kStageV ? kBlock / LANES * kStageBytes : 0) <= 48 * 1024,
-                "static shared memory");
+  union Shared {
+    MainSmem main;
+    uint4 v_stage[kStageVecs];
+  };
+  struct Smem {
+    std::conditional_t<kStageApart, Apart, Shared> u;
+    int v_taken;
+  };
+  static_assert(sizeof(Smem) + kPutVBytes <= 48 * 1024, "static shared memory");
 
   // A thread's tokens go through a pipeline of kDepth stages (the tuned pipeline depth).
   // Its two row chunks (the bulk of the bytes) are requested one token ahead of its math
@@ -457,9 +473,9 @@ struct Fused {
   static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block, Smem& smem) {
     constexpr int kMeta = kDepth;
     constexpr int kCsAhead = kDepth - 1;
-    float (&norm_factors)[4][D] = smem.main.norm_factors;
+    float (&norm_factors)[4][D] = smem.u.main.norm_factors;
 #if KVF_ASYNC_COPY
-    RowPipe<kRowsAhead> pipe{smem.main.ring};
+    RowPipe<kRowsAhead> pipe{smem.u.main.ring};
 #else
     RowPipe<kRowsAhead> pipe;
 #endif
@@ -559,6 +575,7 @@ struct Fused {
       const float f = src ? M::to_float(static_cast<const uint16_t*>(src)[i % D]) : 0.0f;
       norm_factors[k][i % D] = VT::kGemma ? 1.0f + f : f;
     }
+    if (threadIdx.x == 0) smem.v_taken = 0;
     __syncthreads();
     if (idle) return;
     const float* wf = r.kind == kV ? nullptr : norm_factors[r.kind - (r.kind > kV)];
@@ -671,18 +688,25 @@ struct Fused {
   // tokens, half a vector for FP8 (16 tokens per vector): a lane then waits for memory
   // once, and twice as many lanes share the loop (FP8 TP8, 1024 tokens: 10.6 -> 7.0 us).
   // A run's vectors go through shared memory where kStageVLoop.
-  static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks, uint4* v_stage) {
+  static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks, Smem& smem) {
     using C = typename VT::V;
     constexpr int G = kVGroup, EB = C::kElemBytes, NB = kVRunBytes;  // bytes per store
     constexpr int kWords = kVec * EB / 4;                             // packed words per token
     constexpr int P = kStageVLoop ? kVPair : 1;                       // groups per run
     const int lane = threadIdx.x % LPH, group = threadIdx.x / LPH, half = group % P;
     const uint32_t d0 = lane * kVec;
-    // Runs (P groups) go round-robin over the blocks, so few tokens still spread over the GPU.
-    const int64_t runs = (dims.v_groups + P - 1) / P * NKV, per_block = blockDim.x / LPH / P;
+    // Runs (P groups) go round-robin over the blocks, so few tokens still spread over the
+    // GPU. In a block, where no barrier lines its warps up before this loop (kStageApart),
+    // to its groups as they come free: FP8's K and index warps finish the main loop last,
+    // and the others take more runs. After the barrier, in a fixed order: a claim is a
+    // shared-memory round trip per run (bf16 TP8, 1024 tokens: 5.7 -> 6.1 us, NOTES).
+    const int64_t runs = (dims.v_groups + P - 1) / P * NKV;
+    const int per_block = blockDim.x / LPH / P;
     char* base = static_cast<char*>(a.v_cache.data);
-    for (int64_t k = group / P;; k += per_block) {
-      const int64_t item = block + k * nblocks;
+    for (int i = 0;; ++i) {
+      const int k = kStageApart ? shfl<P * LPH>(lane == 0 && half == 0 ? atomicAdd(&smem.v_taken, 1) : 0, 0)
+                                : group / P + i * per_block;
+      const int64_t item = block + int64_t(k) * nblocks;
       if (item >= runs) break;  // the same for the run's groups
       const uint32_t h = static_cast<uint32_t>(item % NKV);
       const int64_t t0 = item / NKV * (P * G) + half * G;
@@ -741,7 +765,7 @@ struct Fused {
             static_assert(NB * P == 16, "staged runs are whole 16-byte vectors");
             const int64_t page = run_s0 / C::kPageSize;
             const uint32_t off = static_cast<uint32_t>(run_s0 % C::kPageSize);
-            uint4* stage = v_stage + group / P * D;
+            uint4* stage = smem.u.v_stage + group / P * D;
 #pragma unroll
             for (int j = 0; j < kVec; ++j)
               store_bytes<NB>(reinterpret_cast<char*>(stage + v_stage_pos(d0 + j)) + half * NB, out[j], 0);
@@ -793,8 +817,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksPerSm)
   // starts wherever the main loop finishes first. (Blocks of its own, sized by bytes,
   // finished last: benchmarks/NOTES.md.)
   if constexpr (F::kVTransposed) {
-    if (F::kStageVLoop && dims.v_groups) __syncthreads();  // its stage reuses the main loop's bytes
-    F::v_loop(a, dims, block, static_cast<int>(gridDim.x), smem.v_stage);
+    if (F::kStageVLoop && !F::kStageApart && dims.v_groups) __syncthreads();  // its stage reuses the main loop's bytes
+    F::v_loop(a, dims, block, static_cast<int>(gridDim.x), smem);
   }
 }
 
