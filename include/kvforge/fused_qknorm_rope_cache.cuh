@@ -34,8 +34,8 @@ constexpr int kVec = 8;       // model-dtype elements per chunk (16 bytes); a la
 constexpr int kBlock = 256;
 // Resident blocks per SM the register cap keeps: three of 256 threads (80 registers) at
 // every pipeline depth. A thread has few bytes in flight, so the SM needs many threads;
-// the cap spills a few words at depth 1 (FP8) and more at depth 2 (FP8 with 4 kv heads,
-// fp32 cos/sin), where the tuner then keeps depth 1. Two blocks (128 registers) were
+// the cap spills a few words (FP8: 12-24 bytes) and more at depth 2 with fp32 cos/sin
+// (132 bytes), where the tuner then keeps depth 1. Two blocks (128 registers) were
 // 4-8% slower at 8192+ tokens for depth 1 of the fp32 cos/sin variants (NOTES).
 constexpr int kMinBlocksPerSm = 3;
 // Rows are requested one token ahead at every depth: two ahead (a ring of three stages)
@@ -433,10 +433,12 @@ struct Fused {
   static KVF_DEVICE uint32_t v_stage_pos(uint32_t d) { return (d & ~7u) | ((d ^ (d >> 3)) & 7u); }
 
   // A block's shared memory: the main loop's norm factors and row ring, the V loop's
-  // stage, and the count of the block's V-loop items taken. The stage has bytes of its
+  // stage, and the count of the block's V-loop runs taken. The stage has bytes of its
   // own where all fits in static shared memory (FP8: 39 KB), so a warp starts on the V
   // loop when its main loop ends; else (bf16: 59 KB) it reuses the main loop's bytes
-  // after a block barrier, and the warps that finish first wait there.
+  // after a block barrier, and the warps that finish first wait there. (Apart, FP8 TP1
+  // at 65536 tokens: 767 -> 665 us at depth 2, where ptxas also spilled 20 bytes, not
+  // 208; 778 -> 762 at depth 1, NOTES v6.10.)
   struct MainSmem {
     float norm_factors[4][D];
 #if KVF_ASYNC_COPY
