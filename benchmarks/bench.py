@@ -174,6 +174,7 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
     }
     rec["gbps"] = nbytes / rec["us"] / 1e3
     lay = layouts(v)
+    calls: list = []
     for peer in peers:
         if peer == "compile" and tokens < compile_min_tokens:
             continue
@@ -186,7 +187,7 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
         except Exception as e:  # a peer that cannot be captured is reported, not fatal
             rec[f"{peer}_us"] = None
             rec[f"{peer}_error"] = f"{type(e).__name__}: {e}"[:300]
-    del sets
+    del sets, ours, calls  # every reference to the inputs, so the copy's buffers replace them
     torch.cuda.empty_cache()
     rec["copy_same_bytes_us"] = same_bytes_copy_us(nbytes, n_sets, n_calls)
     return rec

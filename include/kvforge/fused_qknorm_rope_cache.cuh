@@ -34,8 +34,9 @@ constexpr int kVec = 8;       // model-dtype elements per chunk (16 bytes); a la
 constexpr int kBlock = 256;
 // Resident blocks per SM the register cap keeps: three of 256 threads (80 registers) at
 // every pipeline depth. A thread has few bytes in flight, so the SM needs many threads;
-// the cap spills a few words (FP8: 12-24 bytes) and more at depth 2 with fp32 cos/sin
-// (132 bytes), where the tuner then keeps depth 1. Two blocks (128 registers) were
+// the cap spills a few words (FP8 KV at head_dim 128: 12-24 bytes) and more at depth 2
+// with fp32 cos/sin (132 bytes), where the tuner then keeps depth 1, or FP8 KV at
+// head_dim 64 (204 bytes; untuned, so depth 1). Two blocks (128 registers) were
 // 4-8% slower at 8192+ tokens for depth 1 of the fp32 cos/sin variants (NOTES).
 constexpr int kMinBlocksPerSm = 3;
 // Rows are requested one token ahead at every depth: two ahead (a ring of three stages)
@@ -434,11 +435,13 @@ struct Fused {
 
   // A block's shared memory: the main loop's norm factors and row ring, the V loop's
   // stage, and the count of the block's V-loop runs taken. The stage has bytes of its
-  // own where all fits in static shared memory (FP8: 39 KB), so a warp starts on the V
-  // loop when its main loop ends; else (bf16: 59 KB) it reuses the main loop's bytes
-  // after a block barrier, and the warps that finish first wait there. (Apart, FP8 TP1
-  // at 65536 tokens: 767 -> 665 us at depth 2, where ptxas also spilled 20 bytes, not
-  // 208; 778 -> 762 at depth 1, NOTES v6.10.)
+  // own where all fits in static shared memory (FP8 KV: 39 KB), so a warp starts on the
+  // V loop when its main loop ends; else (bf16/fp16 V: 59 KB) it reuses the main loop's
+  // bytes after a block barrier, and the warps that finish first wait there. (Apart, FP8
+  // TP1 at 65536 tokens: 767 -> 665 us at depth 2, where ptxas also spilled 20 bytes,
+  // not 208; 778 -> 762 at depth 1, NOTES v6.10.) Where there is no stage (AMD, the
+  // register pipeline, FP8 at head_dim 256) there is no barrier either. 39 KB leaves
+  // three blocks per SM on sm_90's 228 KB, two on sm_86/89's 100 KB.
   struct MainSmem {
     float norm_factors[4][D];
 #if KVF_ASYNC_COPY
@@ -447,8 +450,6 @@ struct Fused {
   };
   static constexpr int kStageVecs = kStageVLoop ? kBlock / LPH / kVPair * D : 1;  // [run][dim], v_stage_pos order
   static constexpr int kPutVBytes = kStageV ? kBlock / LANES * kStageBytes : 0;    // put_v_by_dim's rows
-  static constexpr bool kStageApart =
-      sizeof(MainSmem) + kStageVecs * sizeof(uint4) + sizeof(int) + kPutVBytes <= 48 * 1024;
   struct Apart {
     MainSmem main;
     uint4 v_stage[kStageVecs];
@@ -457,10 +458,13 @@ struct Fused {
     MainSmem main;
     uint4 v_stage[kStageVecs];
   };
-  struct Smem {
-    std::conditional_t<kStageApart, Apart, Shared> u;
+  template <class U>
+  struct SmemOf {
+    U u;
     int v_taken;
   };
+  static constexpr bool kStageApart = sizeof(SmemOf<Apart>) + kPutVBytes <= 48 * 1024;
+  using Smem = SmemOf<std::conditional_t<kStageApart, Apart, Shared>>;
   static_assert(sizeof(Smem) + kPutVBytes <= 48 * 1024, "static shared memory");
 
   // A thread's tokens go through a pipeline of kDepth stages (the tuned pipeline depth).
@@ -702,6 +706,8 @@ struct Fused {
     // to its groups as they come free: FP8's K and index warps finish the main loop last,
     // and the others take more runs. After the barrier, in a fixed order: a claim is a
     // shared-memory round trip per run (bf16 TP8, 1024 tokens: 5.7 -> 6.1 us, NOTES).
+    // (Calls with no runs, decodes, still make one claim per group: FP8 TP8, 16 tokens,
+    // 2.60 -> 2.64 us; unmeasured where there is no stage, AMD and FP8 at head_dim 256.)
     const int64_t runs = (dims.v_groups + P - 1) / P * NKV;
     const int per_block = blockDim.x / LPH / P;
     char* base = static_cast<char*>(a.v_cache.data);
