@@ -465,6 +465,7 @@ struct Fused {
   };
   static constexpr bool kStageApart = sizeof(SmemOf<Apart>) + kPutVBytes <= 48 * 1024;
   using Smem = SmemOf<std::conditional_t<kStageApart, Apart, Shared>>;
+  static constexpr bool kClaimRuns = kVTransposed && kStageApart;  // v_loop: runs taken as warps come free
   static_assert(sizeof(Smem) + kPutVBytes <= 48 * 1024, "static shared memory");
 
   // A thread's tokens go through a pipeline of kDepth stages (the tuned pipeline depth).
@@ -573,15 +574,21 @@ struct Fused {
                                         : 1.0f;
     // The norms' per-dim factors (1 + w, or w) of q, k, index_q and index_k, shared by
     // the block (in registers they would cost residency); loaded while the first rows
-    // are in flight, so a call with few tokens waits for memory only twice.
-    for (int i = threadIdx.x; i < 4 * D; i += blockDim.x) {
-      const int k = i / D;
+    // are in flight, so a call with few tokens waits for memory only twice. One 16-byte
+    // vector per thread: a loop of 2-byte values stored each before its next load went
+    // out, two trips at head_dim 128 (m3 TP8, 16 decode tokens: 2.03 -> 1.84 us; 1024
+    // tokens: 3.86 -> 3.53, NOTES v6.11). A loop still, though it runs once at every
+    // head_dim: written as a branch, ptxas spilled more in the main loop (FP8: 20 -> 64 bytes).
+    for (int i = threadIdx.x; i < 4 * LPH; i += blockDim.x) {
+      const int k = i / LPH, c = i % LPH;
       const void* src = k == 0 ? a.q_norm_weight : k == 1 ? a.k_norm_weight
                       : !kIndex ? nullptr : k == 2 ? a.index_q_norm_weight : a.index_k_norm_weight;
-      const float f = src ? M::to_float(static_cast<const uint16_t*>(src)[i % D]) : 0.0f;
-      norm_factors[k][i % D] = VT::kGemma ? 1.0f + f : f;
+      float f[kVec];
+      unpack8<M>(src ? load16(static_cast<const char*>(src) + c * 16) : make_uint4(0u, 0u, 0u, 0u), f);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) norm_factors[k][c * kVec + j] = VT::kGemma ? 1.0f + f[j] : f[j];
     }
-    if (threadIdx.x == 0) smem.v_taken = 0;
+    if (kClaimRuns && threadIdx.x == 0) smem.v_taken = 0;
     __syncthreads();
     if (idle) return;
     const float* wf = r.kind == kV ? nullptr : norm_factors[r.kind - (r.kind > kV)];
@@ -706,13 +713,12 @@ struct Fused {
     // to its groups as they come free: FP8's K and index warps finish the main loop last,
     // and the others take more runs. After the barrier, in a fixed order: a claim is a
     // shared-memory round trip per run (bf16 TP8, 1024 tokens: 5.7 -> 6.1 us, NOTES).
-    // (Calls with no runs, decodes, still make one claim per group: FP8 TP8, 16 tokens,
-    // 2.60 -> 2.64 us; unmeasured where there is no stage, AMD and FP8 at head_dim 256.)
+    // (Claims are unmeasured where there is no stage: AMD and FP8 at head_dim 256.)
     const int64_t runs = (dims.v_groups + P - 1) / P * NKV;
     const int per_block = blockDim.x / LPH / P;
     char* base = static_cast<char*>(a.v_cache.data);
     for (int i = 0;; ++i) {
-      const int k = kStageApart ? shfl<P * LPH>(lane == 0 && half == 0 ? atomicAdd(&smem.v_taken, 1) : 0, 0)
+      const int k = kClaimRuns ? shfl<P * LPH>(lane == 0 && half == 0 ? atomicAdd(&smem.v_taken, 1) : 0, 0)
                                 : group / P + i * per_block;
       const int64_t item = block + int64_t(k) * nblocks;
       if (item >= runs) break;  // the same for the run's groups
@@ -823,10 +829,12 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksPerSm)
   // Every thread then takes its share of the V loop, so that work (a few percent of
   // the bytes, but more instructions and round trips per byte) has the whole GPU and
   // starts wherever the main loop finishes first. (Blocks of its own, sized by bytes,
-  // finished last: benchmarks/NOTES.md.)
+  // finished last: benchmarks/NOTES.md.) Decodes, with no V loop, skip it and its claims.
   if constexpr (F::kVTransposed) {
-    if (F::kStageVLoop && !F::kStageApart && dims.v_groups) __syncthreads();  // its stage reuses the main loop's bytes
-    F::v_loop(a, dims, block, static_cast<int>(gridDim.x), smem);
+    if (dims.v_groups) {
+      if (F::kStageVLoop && !F::kStageApart) __syncthreads();  // its stage reuses the main loop's bytes
+      F::v_loop(a, dims, block, static_cast<int>(gridDim.x), smem);
+    }
   }
 }
 
