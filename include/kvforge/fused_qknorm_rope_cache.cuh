@@ -577,8 +577,9 @@ struct Fused {
     // are in flight, so a call with few tokens waits for memory only twice. One 16-byte
     // vector per thread: a loop of 2-byte values stored each before its next load went
     // out, two trips at head_dim 128 (m3 TP8, 16 decode tokens: 2.03 -> 1.84 us; 1024
-    // tokens: 3.86 -> 3.53, NOTES v6.11). A loop still, though it runs once at every
-    // head_dim: written as a branch, ptxas spilled more in the main loop (FP8: 20 -> 64 bytes).
+    // tokens: 3.87 -> 3.53, NOTES v6.11). A loop still, though it runs once at every
+    // head_dim: written as a branch, ptxas spilled more in the main loop (FP8 SHUFFLE at
+    // depth 2: 20 -> 64 bytes).
     for (int i = threadIdx.x; i < 4 * LPH; i += blockDim.x) {
       const int k = i / LPH, c = i % LPH;
       const void* src = k == 0 ? a.q_norm_weight : k == 1 ? a.k_norm_weight
@@ -829,7 +830,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksPerSm)
   // Every thread then takes its share of the V loop, so that work (a few percent of
   // the bytes, but more instructions and round trips per byte) has the whole GPU and
   // starts wherever the main loop finishes first. (Blocks of its own, sized by bytes,
-  // finished last: benchmarks/NOTES.md.) Decodes, with no V loop, skip it and its claims.
+  // finished last: benchmarks/NOTES.md.) Calls whose V the main loop writes (decodes, as
+  // tuned) skip it and its claims.
   if constexpr (F::kVTransposed) {
     if (dims.v_groups) {
       if (F::kStageVLoop && !F::kStageApart) __syncthreads();  // its stage reuses the main loop's bytes
