@@ -8,8 +8,8 @@ sglang_nhd bf16, vllm_m3 bf16}, each checked against the reference first, then t
 GPU time per call under CUDA-graph replay of many back-to-back calls (median of several
 replays), rotating input sets so the working set is several times the 60 MB L2; the peers
 on the same inputs the same way, and a copy of the same bytes (the cost of moving them at
-that size, without the op's math and dependent reads). Writes benchmarks/results/<name>.json and regenerates
-BENCHMARKS.md and the plot (benchmarks/report.py).
+that size, without the op's math and dependent reads). Writes benchmarks/results/<name>.json
+and regenerates BENCHMARKS.md and the plot (benchmarks/report.py).
 """
 from __future__ import annotations
 
