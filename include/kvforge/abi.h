@@ -54,7 +54,8 @@ typedef struct {
   int32_t num_index_heads;
   float eps;
   int32_t pipeline_depth;           // 1..KVF_MAX_PIPELINE_DEPTH (0 = default): positions and slots
-                                    // are loaded this many tokens ahead, cos/sin one fewer
+                                    // are loaded this many tokens ahead, cos/sin one fewer;
+                                    // a call of one pass (a thread has one token) runs at 1
   int32_t tokens_per_tile;          // 1..KVF_MAX_TOKENS_PER_TILE; 0 = default
   int32_t v_loop;                   // KVF_V_LOOP_*; ignored where V is not transposed
 } kvf_args_t;

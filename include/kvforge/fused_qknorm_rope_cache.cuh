@@ -403,6 +403,33 @@ struct Fused {
     return hm < nq + main_kv ? hm : hm + 2 * NKV - main_kv;
   }
 
+  // Norm weight k of the call (0 q, 1 k, 2 index_q, 3 index_k; none without an index)
+  // and its per-dim factor: 1 + w (Gemma) or w.
+  static KVF_DEVICE const char* norm_weight(const kvf_args_t& a, int k) {
+    const void* w = k == 0 ? a.q_norm_weight : k == 1 ? a.k_norm_weight
+                  : !kIndex ? nullptr : k == 2 ? a.index_q_norm_weight : a.index_k_norm_weight;
+    return static_cast<const char*>(w);
+  }
+  static KVF_DEVICE float norm_factor(float w) { return VT::kGemma ? 1.0f + w : w; }
+
+  // Where a lane finds the norm factors of its dims d0[i] .. d0[i] + 7: the block's copy
+  // in shared memory, or its weight in global memory (calls of one pass, see main_loop).
+  struct SharedFactors {
+    const float* f;  // the lane's norm's factors
+    KVF_DEVICE void get(const uint32_t (&d0)[2], int i, float (&w)[kVec]) const {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) w[j] = f[d0[i] + j];
+    }
+  };
+  struct GlobalFactors {
+    const char* weight;  // the lane's norm weight
+    KVF_DEVICE void get(const uint32_t (&d0)[2], int i, float (&w)[kVec]) const {
+      unpack8<M>(load16(weight + d0[i] * 2), w);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) w[j] = norm_factor(w[j]);
+    }
+  };
+
   // One token's position, slot and cos/sin rows for a thread, as loaded (its row chunks
   // are in the shared-memory ring of main_loop).
   struct Meta {
@@ -572,31 +599,9 @@ struct Fused {
                          : r.kind == kK ? scale_of<VT::kKvScale>(a.k_scale, r.head)
                          : r.kind == kV ? scale_of<VT::kKvScale>(a.v_scale, r.head)
                                         : 1.0f;
-    // The norms' per-dim factors (1 + w, or w) of q, k, index_q and index_k, shared by
-    // the block (in registers they would cost residency); loaded while the first rows
-    // are in flight, so a call with few tokens waits for memory only twice. One 16-byte
-    // vector per thread: a loop of 2-byte values stored each before its next load went
-    // out, two trips at head_dim 128 (m3 TP8, 16 decode tokens: 2.03 -> 1.84 us; 1024
-    // tokens: 3.87 -> 3.53, NOTES v6.11). A loop still, though it runs once at every
-    // head_dim: written as a branch, ptxas spilled more in the main loop (FP8 SHUFFLE at
-    // depth 2: 20 -> 64 bytes).
-    for (int i = threadIdx.x; i < 4 * LPH; i += blockDim.x) {
-      const int k = i / LPH, c = i % LPH;
-      const void* src = k == 0 ? a.q_norm_weight : k == 1 ? a.k_norm_weight
-                      : !kIndex ? nullptr : k == 2 ? a.index_q_norm_weight : a.index_k_norm_weight;
-      float f[kVec];
-      unpack8<M>(src ? load16(static_cast<const char*>(src) + c * 16) : make_uint4(0u, 0u, 0u, 0u), f);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) norm_factors[k][c * kVec + j] = VT::kGemma ? 1.0f + f[j] : f[j];
-    }
-    if (kClaimRuns && threadIdx.x == 0) smem.v_taken = 0;
-    __syncthreads();
-    if (idle) return;
-    const float* wf = r.kind == kV ? nullptr : norm_factors[r.kind - (r.kind > kV)];
-    const float kv_inv = 1.0f / kv_scale;  // used only after the barrier: no wait before it
-#pragma unroll
-    for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
-    for (int64_t t = first; t < a.num_tokens; t += tpp) {
+    const int wk = r.kind - (r.kind > kV);  // the thread's norm (none for V)
+    const float kv_inv = 1.0f / kv_scale;
+    auto step = [&](int64_t t, const auto& factors) {
       // Register rows go out after the loads this token waits for: AMD retires loads in
       // order, so waiting for the cos/sin would otherwise wait for the next rows too.
       if constexpr (KVF_ASYNC_COPY) request_rows(kRowsAhead);
@@ -605,15 +610,56 @@ struct Fused {
       if constexpr (!KVF_ASYNC_COPY) request_rows(kRowsAhead);
       uint4 x[2];
       pipe.front(x);
-      process(a, lane, r, d0, wf, kv_inv, t, x, q[0]);
+      process(a, lane, r, d0, factors, kv_inv, t, x, q[0]);
 #pragma unroll
       for (int k = 0; k < kMeta; ++k) q[k] = q[k + 1];
       pipe.pop();
+    };
+    if (kClaimRuns && threadIdx.x == 0) smem.v_taken = 0;
+    // A call of one pass (a thread has one token at most; launch_at_depth runs these at
+    // depth 1, the one kernel with this branch): a lane reads its norm weight from global
+    // memory beside its row, so no barrier waits for the threads that load the block's
+    // copy, and the call waits for memory only twice, the rows and positions, then the
+    // cos/sin (m3 TP8, 16 decode tokens: 1.87 -> 1.60 us, NOTES v6.12). Longer calls keep
+    // the shared copy: reading the weights every token was up to 13% slower at 8192+
+    // tokens. (In the depth-2 kernel too, FP8 spilled more there and was 5% slower at
+    // 8192+ tokens; in a kernel of its own, with fewer registers, more blocks fit an SM
+    // and a one-wave grid spread unevenly: m3 TP8, 1024 tokens, 3.4 -> 4.2 us.)
+    if constexpr (kDepth == 1) {
+      if (tpp >= a.num_tokens) {
+        if (kClaimRuns && dims.v_groups) __syncthreads();  // v_taken, before any claim
+        if (!idle && first < a.num_tokens) step(first, GlobalFactors{r.kind == kV ? nullptr : norm_weight(a, wk)});
+        return;
+      }
     }
+    // The norms' per-dim factors of q, k, index_q and index_k, shared by the block (in
+    // registers they would cost residency), each thread of 4 * D / 8 loading one 16-byte
+    // vector (a loop of 2-byte values, each stored before the next load went out, took two
+    // trips at head_dim 128: NOTES v6.11). A loop still, though it runs once at every
+    // head_dim: written as a branch, ptxas spilled more (FP8 SHUFFLE at depth 2: 20 -> 64
+    // bytes).
+    for (int i = threadIdx.x; i < 4 * LPH; i += blockDim.x) {
+      const char* w = norm_weight(a, i / LPH);
+      float f[kVec];
+      unpack8<M>(w ? load16(w + i % LPH * 16) : make_uint4(0u, 0u, 0u, 0u), f);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) norm_factors[i / LPH][i % LPH * kVec + j] = norm_factor(f[j]);
+    }
+    // Depth 2's first cos/sin go out before the barrier, beside its wait (FP8 TP1, 1024
+    // tokens: 14.2 -> 14.0 us in v6.11's sweep, 14.3 -> 14.4 in v6.12's: NOTES).
+    if (!idle) {
+#pragma unroll
+      for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
+    }
+    __syncthreads();
+    if (idle) return;
+    const SharedFactors shared{r.kind == kV ? nullptr : norm_factors[wk]};
+    for (int64_t t = first; t < a.num_tokens; t += tpp) step(t, shared);
   }
 
+  template <class Factors>
   static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const uint32_t (&d0)[2],
-                                 const float* wf, float kv_inv, int64_t t, const uint4 (&x)[2], const Meta& m) {
+                                 const Factors& wf, float kv_inv, int64_t t, const uint4 (&x)[2], const Meta& m) {
     const int64_t slot = m.slot;
     const int kind = role.kind, head = role.head;
     float f[2][kVec];
@@ -645,8 +691,10 @@ struct Fused {
     float n[2][kVec], y[2][kVec];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+      float w[kVec];
+      wf.get(d0, i, w);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) n[i][j] = (f[i][j] * inv) * wf[d0[i] + j];
+      for (int j = 0; j < kVec; ++j) n[i][j] = (f[i][j] * inv) * w[j];
     }
     rope(m.cs, a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, n, y);
     if (m.pos < 0) return;
@@ -876,7 +924,9 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
   const int64_t min_blocks = (tile_lanes + kBlock - 1) / kBlock;
   if (blocks < min_blocks) blocks = min_blocks;
   dims.tokens_per_pass = blocks * kBlock / tile_lanes * dims.tile;
-  return int(launch_kernel(fused_kernel<VT, kDepth>, static_cast<unsigned>(blocks), kBlock,
+  // A call of one pass has no pipeline to deepen: it runs at depth 1 (see main_loop).
+  const auto kernel = dims.tokens_per_pass >= a->num_tokens ? fused_kernel<VT, 1> : fused_kernel<VT, kDepth>;
+  return int(launch_kernel(kernel, static_cast<unsigned>(blocks), kBlock,
                            static_cast<hipStream_t>(stream), dependent_launch_supported(dev), *a, dims));
 }
 
