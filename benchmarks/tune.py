@@ -18,6 +18,8 @@ geometric midpoints between the measured counts (so the last decode-timed count'
 reaches to the midpoint above it); the table goes to tuning/<name>.json, with the build
 key of each variant it timed; the runtime reads it (runtime/tuning.py). Nothing is tuned
 at run time. Shapes: 4 kv heads are timed at TP1 (64, 4, 4 heads), 1 kv head at TP8.
+Counts that fit one pass of the grid (every thread one token) run at depth 1 whatever the
+depth, so there the depths time the same kernel and the 2% rule keeps the default.
 
 Each variant's results also go to <name>.json.partial as it finishes; --resume takes the
 variants found there whose build is unchanged (same command, device and torch) instead of

@@ -40,7 +40,9 @@ class Launch(NamedTuple):
 
     def resolved(self, tokens: int, v_transposed: bool) -> "Launch":
         """What the library runs for a call of `tokens` tokens: defaults filled in as
-        launch_at_depth does; v_loop 0 where V is not transposed (there is no V loop)."""
+        launch_at_depth does; v_loop 0 where V is not transposed (there is no V loop).
+        (A call of one pass, every thread one token, runs at depth 1 whatever the depth:
+        the kernel's grid decides that, so it is not modelled here.)"""
         v_loop = V_LOOP_DEFAULT
         if v_transposed:
             v_loop = self.v_loop or (V_LOOP_ON if tokens >= V_LOOP_MIN_TOKENS else V_LOOP_OFF)

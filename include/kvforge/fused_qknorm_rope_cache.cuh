@@ -44,7 +44,8 @@ constexpr int kMinBlocksPerSm = 3;
 constexpr int kRowsAhead = 1;
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
-// (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default).
+// (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default),
+// but a call of one pass runs at depth 1 (launch_at_depth).
 
 // A transposed V (SHUFFLE) goes to the V loop as kvf_args_t::v_loop says (tuned per
 // shape), by default from KVF_V_LOOP_MIN_TOKENS tokens on. Decodes have scattered slots,
@@ -404,13 +405,13 @@ struct Fused {
   }
 
   // Norm weight k of the call (0 q, 1 k, 2 index_q, 3 index_k; none without an index)
-  // and its per-dim factor: 1 + w (Gemma) or w.
+  // and the factor a normed value is multiplied by: 1 + w (Gemma) or w.
   static KVF_DEVICE const char* norm_weight(const kvf_args_t& a, int k) {
     const void* w = k == 0 ? a.q_norm_weight : k == 1 ? a.k_norm_weight
                   : !kIndex ? nullptr : k == 2 ? a.index_q_norm_weight : a.index_k_norm_weight;
     return static_cast<const char*>(w);
   }
-  static KVF_DEVICE float norm_factor(float w) { return VT::kGemma ? 1.0f + w : w; }
+  static KVF_DEVICE float factor_of(float w) { return VT::kGemma ? 1.0f + w : w; }
 
   // Where a lane finds the norm factors of its dims d0[i] .. d0[i] + 7: the block's copy
   // in shared memory, or its weight in global memory (calls of one pass, see main_loop).
@@ -426,7 +427,7 @@ struct Fused {
     KVF_DEVICE void get(const uint32_t (&d0)[2], int i, float (&w)[kVec]) const {
       unpack8<M>(load16(weight + d0[i] * 2), w);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) w[j] = norm_factor(w[j]);
+      for (int j = 0; j < kVec; ++j) w[j] = factor_of(w[j]);
     }
   };
 
@@ -581,9 +582,8 @@ struct Fused {
     constexpr int kWeightLines = (D * 2 + 127) / 128;  // 128-byte lines per norm weight
     if (block == 0 && threadIdx.x < 4 * kWeightLines) {
       const int k = threadIdx.x / kWeightLines;
-      const void* w = k == 0 ? a.q_norm_weight : k == 1 ? a.k_norm_weight
-                    : !kIndex ? nullptr : k == 2 ? a.index_q_norm_weight : a.index_k_norm_weight;
-      if (w) prefetch_l2(static_cast<const char*>(w) + threadIdx.x % kWeightLines * 128);
+      const char* w = norm_weight(a, k);
+      if (w) prefetch_l2(w + threadIdx.x % kWeightLines * 128);
     }
     // Launched as a dependent of the previous kernel (see fused_kernel): past this, its
     // writes are visible. Everything above, overlapping its tail, is arithmetic on the
@@ -599,7 +599,7 @@ struct Fused {
                          : r.kind == kK ? scale_of<VT::kKvScale>(a.k_scale, r.head)
                          : r.kind == kV ? scale_of<VT::kKvScale>(a.v_scale, r.head)
                                         : 1.0f;
-    const int wk = r.kind - (r.kind > kV);  // the thread's norm (none for V)
+    const int wk = r.kind - (r.kind > kV);  // the thread's norm (V lanes have none: unused)
     const float kv_inv = 1.0f / kv_scale;
     auto step = [&](int64_t t, const auto& factors) {
       // Register rows go out after the loads this token waits for: AMD retires loads in
@@ -618,11 +618,11 @@ struct Fused {
     if (kClaimRuns && threadIdx.x == 0) smem.v_taken = 0;
     // A call of one pass (a thread has one token at most; launch_at_depth runs these at
     // depth 1, the one kernel with this branch): a lane reads its norm weight from global
-    // memory beside its row, so no barrier waits for the threads that load the block's
-    // copy, and the call waits for memory only twice, the rows and positions, then the
-    // cos/sin (m3 TP8, 16 decode tokens: 1.87 -> 1.60 us, NOTES v6.12). Longer calls keep
-    // the shared copy: reading the weights every token was up to 13% slower at 8192+
-    // tokens. (In the depth-2 kernel too, FP8 spilled more there and was 5% slower at
+    // memory, so no barrier waits for the threads that load the block's copy (m3 TP8, 16
+    // decode tokens: 1.87 -> 1.60 us, NOTES v6.12). Those loads go out once its rows have
+    // landed (the copies' wait is a compiler barrier), in the trip of its cos/sin. Longer
+    // calls keep the shared copy: reading the weights every token was up to 15% slower at
+    // 8192+ tokens. (In the depth-2 kernel too, FP8 spilled more there and was 5% slower at
     // 8192+ tokens; in a kernel of its own, with fewer registers, more blocks fit an SM
     // and a one-wave grid spread unevenly: m3 TP8, 1024 tokens, 3.4 -> 4.2 us.)
     if constexpr (kDepth == 1) {
@@ -643,10 +643,12 @@ struct Fused {
       float f[kVec];
       unpack8<M>(w ? load16(w + i % LPH * 16) : make_uint4(0u, 0u, 0u, 0u), f);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) norm_factors[i / LPH][i % LPH * kVec + j] = norm_factor(f[j]);
+      for (int j = 0; j < kVec; ++j) norm_factors[i / LPH][i % LPH * kVec + j] = factor_of(f[j]);
     }
-    // Depth 2's first cos/sin go out before the barrier, beside its wait (FP8 TP1, 1024
-    // tokens: 14.2 -> 14.0 us in v6.11's sweep, 14.3 -> 14.4 in v6.12's: NOTES).
+    // Depth 2's first cos/sin go out before the barrier, so that their trip overlaps its
+    // wait (FP8 TP1, 1024 tokens: 14.2 -> 14.0 us in v6.11's sweep; 14.3 -> 14.4 in
+    // v6.12's, where the scale's reciprocal, computed above, may delay the weight loads
+    // of K/V threads: NOTES v6.12).
     if (!idle) {
 #pragma unroll
       for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
@@ -659,7 +661,7 @@ struct Fused {
 
   template <class Factors>
   static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const uint32_t (&d0)[2],
-                                 const Factors& wf, float kv_inv, int64_t t, const uint4 (&x)[2], const Meta& m) {
+                                 const Factors& factors, float kv_inv, int64_t t, const uint4 (&x)[2], const Meta& m) {
     const int64_t slot = m.slot;
     const int kind = role.kind, head = role.head;
     float f[2][kVec];
@@ -692,7 +694,7 @@ struct Fused {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       float w[kVec];
-      wf.get(d0, i, w);
+      factors.get(d0, i, w);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) n[i][j] = (f[i][j] * inv) * w[j];
     }
