@@ -423,9 +423,13 @@ struct Fused {
     }
   };
   struct GlobalFactors {
-    const char* weight;  // the lane's norm weight
-    KVF_DEVICE void get(const uint32_t (&d0)[2], int i, float (&w)[kVec]) const {
-      unpack8<M>(load16(weight + d0[i] * 2), w);
+    uint4 raw[2];  // the lane's chunks of its norm weight, loaded when made
+    KVF_DEVICE GlobalFactors(const char* weight, const uint32_t (&d0)[2]) {
+      raw[0] = weight ? load16(weight + d0[0] * 2) : make_uint4(0u, 0u, 0u, 0u);
+      raw[1] = weight ? load16(weight + d0[1] * 2) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    KVF_DEVICE void get(const uint32_t (&)[2], int i, float (&w)[kVec]) const {
+      unpack8<M>(raw[i], w);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) w[j] = factor_of(w[j]);
     }
@@ -600,7 +604,6 @@ struct Fused {
                          : r.kind == kV ? scale_of<VT::kKvScale>(a.v_scale, r.head)
                                         : 1.0f;
     const int wk = r.kind - (r.kind > kV);  // the thread's norm (V lanes have none: unused)
-    const float kv_inv = 1.0f / kv_scale;
     auto step = [&](int64_t t, const auto& factors) {
       // Register rows go out after the loads this token waits for: AMD retires loads in
       // order, so waiting for the cos/sin would otherwise wait for the next rows too.
@@ -608,6 +611,11 @@ struct Fused {
       fetch(q[kMeta], t + kMeta * tpp);
       fetch_cos_sin(q[kCsAhead]);
       if constexpr (!KVF_ASYNC_COPY) request_rows(kRowsAhead);
+      // The scale's reciprocal (loop-invariant) here, after this token's loads are out
+      // and before the rows' wait: earlier it held back the loads behind the scale,
+      // later it lay on the path to the stores (FP8 TP8, 1024 tokens: 5.46 -> 5.15 us,
+      // NOTES v6.13).
+      const float kv_inv = 1.0f / kv_scale;
       uint4 x[2];
       pipe.front(x);
       process(a, lane, r, d0, factors, kv_inv, t, x, q[0]);
@@ -619,8 +627,9 @@ struct Fused {
     // A call of one pass (a thread has one token at most; launch_at_depth runs these at
     // depth 1, the one kernel with this branch): a lane reads its norm weight from global
     // memory, so no barrier waits for the threads that load the block's copy (m3 TP8, 16
-    // decode tokens: 1.87 -> 1.60 us, NOTES v6.12). Those loads go out once its rows have
-    // landed (the copies' wait is a compiler barrier), in the trip of its cos/sin. Longer
+    // decode tokens: 1.87 -> 1.60 us, NOTES v6.12). GlobalFactors issues those loads when
+    // made, ahead of the rows' wait (a compiler barrier) and of the wait for the scale
+    // (FP8 TP8, 128 decode tokens: 2.85 -> 2.67 us, NOTES v6.13). Longer
     // calls keep the shared copy: reading the weights every token was up to 15% slower at
     // 8192+ tokens. (In the depth-2 kernel too, FP8 spilled more there and was 5% slower at
     // 8192+ tokens; in a kernel of its own, with fewer registers, more blocks fit an SM
@@ -628,7 +637,10 @@ struct Fused {
     if constexpr (kDepth == 1) {
       if (tpp >= a.num_tokens) {
         if (kClaimRuns && dims.v_groups) __syncthreads();  // v_taken, before any claim
-        if (!idle && first < a.num_tokens) step(first, GlobalFactors{r.kind == kV ? nullptr : norm_weight(a, wk)});
+        if (!idle && first < a.num_tokens) {
+          const GlobalFactors g(r.kind == kV ? nullptr : norm_weight(a, wk), d0);
+          step(first, g);
+        }
         return;
       }
     }
@@ -646,9 +658,8 @@ struct Fused {
       for (int j = 0; j < kVec; ++j) norm_factors[i / LPH][i % LPH * kVec + j] = factor_of(f[j]);
     }
     // Depth 2's first cos/sin go out before the barrier, so that their trip overlaps its
-    // wait (FP8 TP1, 1024 tokens: 14.2 -> 14.0 us in v6.11's sweep; 14.3 -> 14.4 in
-    // v6.12's, where the scale's reciprocal, computed above, may delay the weight loads
-    // of K/V threads: NOTES v6.12).
+    // wait (FP8 TP1, 1024 tokens: 14.2 -> 14.0 us in v6.11's sweep, 14.3 -> 14.4 in
+    // v6.12's: within the noise of either).
     if (!idle) {
 #pragma unroll
       for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
