@@ -411,6 +411,10 @@ struct Fused {
                   : !kIndex ? nullptr : k == 2 ? a.index_q_norm_weight : a.index_k_norm_weight;
     return static_cast<const char*>(w);
   }
+  // The 16 bytes of a norm weight at byte `at`, raw (zeros where there is no weight).
+  static KVF_DEVICE uint4 weight_chunk(const char* w, int64_t at) {
+    return w ? load16(w + at) : make_uint4(0u, 0u, 0u, 0u);
+  }
   static KVF_DEVICE float factor_of(float w) { return VT::kGemma ? 1.0f + w : w; }
 
   // Where a lane finds the norm factors of its dims d0[i] .. d0[i] + 7: the block's copy
@@ -425,8 +429,8 @@ struct Fused {
   struct GlobalFactors {
     uint4 raw[2];  // the lane's chunks of its norm weight, loaded when made
     KVF_DEVICE GlobalFactors(const char* weight, const uint32_t (&d0)[2]) {
-      raw[0] = weight ? load16(weight + d0[0] * 2) : make_uint4(0u, 0u, 0u, 0u);
-      raw[1] = weight ? load16(weight + d0[1] * 2) : make_uint4(0u, 0u, 0u, 0u);
+      raw[0] = weight_chunk(weight, d0[0] * 2);
+      raw[1] = weight_chunk(weight, d0[1] * 2);
     }
     KVF_DEVICE void get(const uint32_t (&)[2], int i, float (&w)[kVec]) const {
       unpack8<M>(raw[i], w);
@@ -611,10 +615,10 @@ struct Fused {
       fetch(q[kMeta], t + kMeta * tpp);
       fetch_cos_sin(q[kCsAhead]);
       if constexpr (!KVF_ASYNC_COPY) request_rows(kRowsAhead);
-      // The scale's reciprocal (loop-invariant) here, after this token's loads are out
-      // and before the rows' wait: earlier it held back the loads behind the scale,
-      // later it lay on the path to the stores (FP8 TP8, 1024 tokens: 5.46 -> 5.15 us,
-      // NOTES v6.13).
+      // The scale's reciprocal (loop-invariant: hoisted where there is a loop) after this
+      // token's loads in source order. Ahead of them it held the cos/sin load back until
+      // the scale came; where it is used, in process, it was slower than here (FP8 TP8,
+      // 1 token: 2.09 us ahead, 2.01 at its use, 1.95 here; NOTES v6.13).
       const float kv_inv = 1.0f / kv_scale;
       uint4 x[2];
       pipe.front(x);
@@ -628,8 +632,9 @@ struct Fused {
     // depth 1, the one kernel with this branch): a lane reads its norm weight from global
     // memory, so no barrier waits for the threads that load the block's copy (m3 TP8, 16
     // decode tokens: 1.87 -> 1.60 us, NOTES v6.12). GlobalFactors issues those loads when
-    // made, ahead of the rows' wait (a compiler barrier) and of the wait for the scale
-    // (FP8 TP8, 128 decode tokens: 2.85 -> 2.67 us, NOTES v6.13). Longer
+    // made, before the rows' wait in source order: after it, a compiler barrier, they went
+    // out once the rows had landed (with the reciprocal's move below, FP8 TP8, 128 decode
+    // tokens: 2.85 -> 2.67 us, NOTES v6.13). Longer
     // calls keep the shared copy: reading the weights every token was up to 15% slower at
     // 8192+ tokens. (In the depth-2 kernel too, FP8 spilled more there and was 5% slower at
     // 8192+ tokens; in a kernel of its own, with fewer registers, more blocks fit an SM
@@ -653,7 +658,7 @@ struct Fused {
     for (int i = threadIdx.x; i < 4 * LPH; i += blockDim.x) {
       const char* w = norm_weight(a, i / LPH);
       float f[kVec];
-      unpack8<M>(w ? load16(w + i % LPH * 16) : make_uint4(0u, 0u, 0u, 0u), f);
+      unpack8<M>(weight_chunk(w, i % LPH * 16), f);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) norm_factors[i / LPH][i % LPH * kVec + j] = factor_of(f[j]);
     }
