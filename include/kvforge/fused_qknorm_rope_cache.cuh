@@ -634,11 +634,11 @@ struct Fused {
     // decode tokens: 1.87 -> 1.60 us, NOTES v6.12). GlobalFactors issues those loads when
     // made, before the rows' wait in source order: after it, a compiler barrier, they went
     // out once the rows had landed (with the reciprocal's move below, FP8 TP8, 128 decode
-    // tokens: 2.85 -> 2.67 us, NOTES v6.13). Longer
-    // calls keep the shared copy: reading the weights every token was up to 15% slower at
-    // 8192+ tokens. (In the depth-2 kernel too, FP8 spilled more there and was 5% slower at
-    // 8192+ tokens; in a kernel of its own, with fewer registers, more blocks fit an SM
-    // and a one-wave grid spread unevenly: m3 TP8, 1024 tokens, 3.4 -> 4.2 us.)
+    // tokens: 2.85 -> 2.67 us, NOTES v6.13). Longer calls keep the shared copy: reading
+    // the weights every token was up to 15% slower at 8192+ tokens. (In the depth-2 kernel
+    // too, FP8 spilled more there and was 5% slower at 8192+ tokens; in a kernel of its
+    // own, with fewer registers, more blocks fit an SM and a one-wave grid spread
+    // unevenly: m3 TP8, 1024 tokens, 3.4 -> 4.2 us.)
     if constexpr (kDepth == 1) {
       if (tpp >= a.num_tokens) {
         if (kClaimRuns && dims.v_groups) __syncthreads();  // v_taken, before any claim
