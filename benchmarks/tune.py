@@ -6,7 +6,7 @@ variant and token range on this GPU.
 
 For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
 variant in variants.yaml) and token count, every depth a library holds
-(1..KVF_MAX_PIPELINE_DEPTH) with every tile (1..KVF_MAX_TOKENS_PER_TILE), and for a
+(1..KVF_MAX_PIPELINE_DEPTH) with every tile (1, 2 .. KVF_MAX_TOKENS_PER_TILE), and for a
 transposed V (SHUFFLE) with V in the main loop and in the V loop, is checked against
 the reference, then timed under CUDA-graph replay with inputs rotated past L2, as
 bench.py times (decode slots up to 256 tokens, prefill above). A launch other than the
@@ -44,7 +44,7 @@ from codegen.layout import v_transposed  # noqa: E402
 from codegen.model import IndexMode  # noqa: E402
 from codegen.paths import TUNED  # noqa: E402
 from runtime import build, toolchain  # noqa: E402
-from runtime.abi import (ABI_VERSION, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE, V_LOOP_DEFAULT,  # noqa: E402
+from runtime.abi import (ABI_VERSION, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT,  # noqa: E402
                          V_LOOP_OFF, V_LOOP_ON)
 from runtime.api import launch_with  # noqa: E402
 from runtime.registry import source_of, spec  # noqa: E402
@@ -63,8 +63,7 @@ DECODE_MAX_TOKENS = 4096
 def launches(v) -> list[Launch]:
     """Every launch the variant's library distinguishes."""
     places = (V_LOOP_OFF, V_LOOP_ON) if v_transposed(v) else (V_LOOP_DEFAULT,)
-    return [Launch(d, t, p) for d in range(1, MAX_PIPELINE_DEPTH + 1)
-            for t in range(1, MAX_TOKENS_PER_TILE + 1) for p in places]
+    return [Launch(d, t, p) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in TOKENS_PER_TILE for p in places]
 
 
 def time_launches(v, tokens: int, candidates: list[Launch], slots: Optional[str] = None) -> dict[Launch, float]:

@@ -18,6 +18,7 @@ ABI_VERSION = _header_define("KVF_ABI_VERSION")
 MAX_PIPELINE_DEPTH = _header_define("KVF_MAX_PIPELINE_DEPTH")
 DEFAULT_PIPELINE_DEPTH = _header_define("KVF_DEFAULT_PIPELINE_DEPTH")
 MAX_TOKENS_PER_TILE = _header_define("KVF_MAX_TOKENS_PER_TILE")
+TOKENS_PER_TILE = tuple(1 << i for i in range(MAX_TOKENS_PER_TILE.bit_length()))  # the tiles a library takes
 DEFAULT_TOKENS_PER_TILE = _header_define("KVF_DEFAULT_TOKENS_PER_TILE")
 V_LOOP_DEFAULT = _header_define("KVF_V_LOOP_DEFAULT")
 V_LOOP_OFF = _header_define("KVF_V_LOOP_OFF")

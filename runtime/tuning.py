@@ -3,11 +3,13 @@ transposed V is written, per variant and token range.
 
 Which launch is fastest depends on the shape: a deeper pipeline (cos/sin loaded a token
 ahead) hides more memory latency on long runs of tokens but costs registers and a longer
-start on short ones; two tokens per tile make a head's stores of both one instruction
-(whole sectors for SHUFFLE's K) but leave half the lanes idle on a one-token call; SHUFFLE's V loop stores
+start on short ones; two or four tokens per tile make a head's stores of them one
+instruction (whole sectors for SHUFFLE's K) and, at four, keep a warp to one role, but
+leave lanes idle on a call of fewer tokens and spread fewer tiles over the SMs; SHUFFLE's V loop stores
 whole 16-byte runs but is a second trip to memory after the main loop, which pays only
 once the call is long enough. `benchmarks/tune.py` times every depth a library holds
-(1..KVF_MAX_PIPELINE_DEPTH) with every tile (1..KVF_MAX_TOKENS_PER_TILE), and for a
+(1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
+KVF_MAX_TOKENS_PER_TILE), and for a
 transposed V both places, on the GPU and writes tuning/<name>.json; the runtime only
 reads those files, so nothing is tuned at run time. A device or variant without an
 entry gets 0 for each, the library's defaults.
@@ -29,7 +31,7 @@ from typing import NamedTuple, Optional
 from codegen.paths import TUNED
 
 from .abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH,
-                  MAX_TOKENS_PER_TILE, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
+                  TOKENS_PER_TILE, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
 
 
 class Launch(NamedTuple):
@@ -50,9 +52,17 @@ class Launch(NamedTuple):
 
     def problems(self) -> list[str]:
         """Fields outside what a library accepts (0 is the default for each)."""
-        limits = (MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE, V_LOOP_ON)
-        return [f"{name} must be 0..{hi}, got {value!r}" for name, value, hi in zip(self._fields, self, limits)
-                if type(value) is not int or not 0 <= value <= hi]
+        accepted = (range(MAX_PIPELINE_DEPTH + 1), (0, *TOKENS_PER_TILE), range(V_LOOP_ON + 1))
+        return [f"{name} must be {_allowed(ok)}, got {value!r}" for name, value, ok in zip(self._fields, self, accepted)
+                if type(value) is not int or value not in ok]
+
+
+def _listed(values) -> str:
+    return ", ".join(map(str, values))
+
+
+def _allowed(values) -> str:
+    return f"0..{values[-1]}" if isinstance(values, range) else f"one of {_listed(values)}"
 
 
 DEFAULT = Launch(0, 0, V_LOOP_DEFAULT)
@@ -106,8 +116,8 @@ def parse(data, where: str) -> Table:
             if type(depth) is not int or not 1 <= depth <= MAX_PIPELINE_DEPTH:
                 raise TuningError(f"{where}: {uri}: range {i}: depth must be 1..{MAX_PIPELINE_DEPTH}, "
                                   f"got {depth!r}")
-            if type(tile) is not int or not 1 <= tile <= MAX_TOKENS_PER_TILE:
-                raise TuningError(f"{where}: {uri}: range {i}: tile must be 1..{MAX_TOKENS_PER_TILE}, "
+            if type(tile) is not int or tile not in TOKENS_PER_TILE:
+                raise TuningError(f"{where}: {uri}: range {i}: tile must be one of {_listed(TOKENS_PER_TILE)}, "
                                   f"got {tile!r}")
             if type(v_loop) is not int or not V_LOOP_DEFAULT <= v_loop <= V_LOOP_ON:
                 raise TuningError(f"{where}: {uri}: range {i}: v_loop must be {V_LOOP_DEFAULT} (default), "

@@ -6,7 +6,7 @@ import pytest
 from benchmarks.tune import choose, launches, ranges, v_place
 from codegen.layout import v_transposed
 from codegen.paths import TUNED
-from runtime.abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TILE,
+from runtime.abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE,
                          V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
 from runtime.registry import spec
 from runtime.tuning import DEFAULT, Launch, TuningError, load, parse, pick, table_for
@@ -30,8 +30,9 @@ def test_pick_walks_the_ranges_and_defaults_to_zero():
     ({"v": [[8, 1, 2]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop] (max_tokens null only in the last), got [8, 1, 2]"),
     ({"v": [[8, 0, 1, 0]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got 0"),
     ({"v": [[8, True, 1, 0]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got True"),
-    ({"v": [[8, 1, 0, 0]]}, f"v: range 0: tile must be 1..{MAX_TOKENS_PER_TILE}, got 0"),
-    ({"v": [[8, 1, MAX_TOKENS_PER_TILE + 1, 0]]}, f"v: range 0: tile must be 1..{MAX_TOKENS_PER_TILE}, got {MAX_TOKENS_PER_TILE + 1}"),
+    ({"v": [[8, 1, 0, 0]]}, "v: range 0: tile must be one of 1, 2, 4, got 0"),
+    ({"v": [[8, 1, 3, 0]]}, "v: range 0: tile must be one of 1, 2, 4, got 3"),
+    ({"v": [[8, 1, 8, 0]]}, "v: range 0: tile must be one of 1, 2, 4, got 8"),
     ({"v": [[8, 1, 1, 3]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got 3"),
     ({"v": [[8, 1, 1, None]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got None"),
     ({"v": [["8", 1, 1, 0]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop]"),
@@ -101,6 +102,8 @@ def test_launch_with_refuses_a_launch_the_library_would_not_take():
 
     with pytest.raises(ValueError, match=r"^launch_with: depth must be 0\.\.\d+, got 9; v_loop must be 0\.\.2, got -1$"):
         launch_with(Launch(9, 1, -1))
+    with pytest.raises(ValueError, match=r"^launch_with: tile must be one of 0, 1, 2, 4, got 3$"):
+        launch_with(Launch(1, 3, 0))
 
 
 def test_the_tuner_times_both_v_places_only_where_v_is_transposed():
@@ -109,7 +112,7 @@ def test_the_tuner_times_both_v_places_only_where_v_is_transposed():
         by_transposed.setdefault(v_transposed(v), v)
     assert {p for *_, p in launches(by_transposed[True])} == {V_LOOP_OFF, V_LOOP_ON}
     assert {p for *_, p in launches(by_transposed[False])} == {V_LOOP_DEFAULT}
-    assert len(launches(by_transposed[True])) == 2 * MAX_PIPELINE_DEPTH * MAX_TOKENS_PER_TILE
+    assert len(launches(by_transposed[True])) == 2 * MAX_PIPELINE_DEPTH * len(TOKENS_PER_TILE)
 
 
 def test_the_tuner_splits_ranges_between_measured_counts_and_merges_equal_ones():

@@ -525,11 +525,13 @@ struct Fused {
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
     const bool idle = gid >= tpp * dims.lanes_per_token;  // whole head groups idle together
-    // Threads take tokens in tiles of dims.tile: with 2, each head's group of token 2p
-    // sits beside that of token 2p + 1, so one store instruction writes a head's vectors
-    // of both: whole sectors where a layout puts consecutive slots' vectors next to each
-    // other (SHUFFLE's K, 16 bytes each), nearby lines elsewhere. 2-20% faster at 65536
-    // tokens; short SHUFFLE calls at TP1 are faster one token per tile (tuned, NOTES).
+    // Threads take tokens in tiles of dims.tile (1, 2 or 4): a head's groups of a tile's
+    // tokens sit side by side, so one store instruction writes the head's vectors of them
+    // all: whole sectors where a layout puts consecutive slots' vectors next to each other
+    // (SHUFFLE's K, 16 bytes each), nearby lines elsewhere (2: 2-20% faster at 65536
+    // tokens). At 4 and head_dim 128 a warp is one head of four tokens, so no warp runs
+    // two roles one after the other (K's path, then V's: FP8 TP8, 16 decode tokens 2.04 ->
+    // 1.75 us, NOTES v6.13); short calls at TP1 are faster with smaller tiles (tuned).
     const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
     const int in_tile = static_cast<int>(gid % tile_lanes);
     const int within = in_tile / (dims.tile * LANES) * LANES + in_tile % LANES;  // lane of the token's row
@@ -961,7 +963,8 @@ int launch_depth(const kvf_args_t* a, void* stream, int depth) {
 template <class VT>
 int launch(const kvf_args_t* a, void* stream) {
   if (a->num_tokens <= 0) return 0;
-  if (a->tokens_per_tile < 0 || a->tokens_per_tile > KVF_MAX_TOKENS_PER_TILE) return int(hipErrorInvalidValue);
+  const int tile = a->tokens_per_tile;
+  if (tile < 0 || tile > KVF_MAX_TOKENS_PER_TILE || (tile & (tile - 1))) return int(hipErrorInvalidValue);
   if (a->v_loop < KVF_V_LOOP_DEFAULT || a->v_loop > KVF_V_LOOP_ON) return int(hipErrorInvalidValue);
   return launch_depth<VT>(a, stream, a->pipeline_depth ? a->pipeline_depth : KVF_DEFAULT_PIPELINE_DEPTH);
 }
