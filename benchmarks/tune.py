@@ -6,9 +6,9 @@ variant and token range on this GPU.
 
 For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
 variant in variants.yaml) and token count, every depth a library holds
-(1..KVF_MAX_PIPELINE_DEPTH) with every tile (1, 2 .. KVF_MAX_TOKENS_PER_TILE), and for a
-transposed V (SHUFFLE) with V in the main loop and in the V loop, is checked against
-the reference, then timed under CUDA-graph replay with inputs rotated past L2, as
+(1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
+KVF_MAX_TOKENS_PER_TILE), and for a transposed V (SHUFFLE) with V in the main loop and
+in the V loop, is checked against the reference, then timed under CUDA-graph replay with inputs rotated past L2, as
 bench.py times (decode slots up to 256 tokens, prefill above). A launch other than the
 library's defaults is chosen only when it is more than 2% faster. Where V is transposed,
 counts of 257..DECODE_MAX_TOKENS are also timed as decodes, each V place at its best

@@ -144,8 +144,9 @@ def _prepared(variant, t: reference.Tensors,
 def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **kwargs) -> Callable[[], None]:
     """For the tuner and the tests: validate a GPU call once and return a function that
     launches it as `launch` says (pipeline depth 1..KVF_MAX_PIPELINE_DEPTH, tokens per
-    tile 1, 2 .. KVF_MAX_TOKENS_PER_TILE, KVF_V_LOOP_*; 0: the default), on the current stream,
-    with the variant's library as `toolchain` builds it (default: the runtime's)."""
+    tile a power of two up to KVF_MAX_TOKENS_PER_TILE, KVF_V_LOOP_*; 0: the default), on the
+    current stream, with the variant's library as `toolchain` builds it (default: the
+    runtime's)."""
     bad = launch.problems()
     if bad:
         raise ValueError(f"launch_with: {'; '.join(bad)}")

@@ -5,7 +5,8 @@ A missing sync between a V group's stage writes and reads can still match the re
 while racecheck counted 200k hazards), so the staged paths run here under the tools:
 the V loop's runs (bf16 one group each; FP8 two groups per run, a warp at head_dim 128
 and half a warp at 64), long enough that each group writes several runs, and a decode
-(put_v_by_dim). Run as a script, this file makes those calls.
+(put_v_by_dim) at the default tile and at 4 tokens per tile (a warp one head of four
+tokens). Run as a script, this file makes those calls.
 """
 import shutil
 import subprocess
@@ -33,7 +34,7 @@ def test_staged_v_has_no_hazard_under_compute_sanitizer(tool):
                           cwd=Path(__file__).resolve().parents[1])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert out.count("identical") == 2 * len(URIS), out[-4000:]  # every call ran and matched
+    assert out.count("identical") == 3 * len(URIS), out[-4000:]  # every call ran and matched
     assert ("RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors") in out, out[-4000:]
 
 
@@ -48,12 +49,13 @@ def _calls(uris):
     for uri in uris:
         v = variants[uri]
         # One item per group if an SM held 8 blocks; 2 or 3 do: every group writes two or more.
-        for tokens, nq, slots, place in ((v_loop_tokens(v, 1), 1, "prefill", V_LOOP_ON),
-                                         (200, 8, "decode", V_LOOP_OFF)):
+        for tokens, nq, slots, launch in ((v_loop_tokens(v, 1), 1, "prefill", Launch(0, 0, V_LOOP_ON)),
+                                          (200, 8, "decode", Launch(0, 0, V_LOOP_OFF)),
+                                          (200, 8, "decode", Launch(0, 4, V_LOOP_OFF))):
             args = make_inputs(v, tokens, nq, 1, slots=slots, device="cuda", seed=3)
-            launch = Launch(0, 0, place)  # the V loop's stage, then put_v_by_dim's
             stats = check_against_reference(args, lambda **a: launch_with(launch, **a)(), ref_device="cuda")
-            print(uri, tokens, slots, "identical", min(s["identical"] for s in stats.values()), flush=True)
+            print(uri, tokens, slots, f"tile {launch.tile}", "identical",
+                  min(s["identical"] for s in stats.values()), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import pytest
 from benchmarks.tune import choose, launches, ranges, v_place
 from codegen.layout import v_transposed
 from codegen.paths import TUNED
-from runtime.abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE,
+from runtime.abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH,
                          V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
 from runtime.registry import spec
 from runtime.tuning import DEFAULT, Launch, TuningError, load, parse, pick, table_for
@@ -44,7 +44,9 @@ def test_bad_tables_are_refused_with_the_entry_named(choices, message):
 
 
 @pytest.mark.parametrize("abi,found", [(None, "names no ABI (it predates ABI 5)"), (4, "was tuned for ABI 4"),
-                                       ("5", "was tuned for ABI '5'"), (True, "was tuned for ABI True")])
+                                       (ABI_VERSION - 1, f"was tuned for ABI {ABI_VERSION - 1}"),
+                                       (str(ABI_VERSION), f"was tuned for ABI '{ABI_VERSION}'"),
+                                       (True, "was tuned for ABI True")])
 def test_a_table_tuned_for_another_abi_is_refused(abi, found):
     data = {k: v for k, v in table({"v": [[None, 1, 1, 0]]}).items() if k != "abi" or abi is not None}
     if abi is not None:
@@ -112,7 +114,9 @@ def test_the_tuner_times_both_v_places_only_where_v_is_transposed():
         by_transposed.setdefault(v_transposed(v), v)
     assert {p for *_, p in launches(by_transposed[True])} == {V_LOOP_OFF, V_LOOP_ON}
     assert {p for *_, p in launches(by_transposed[False])} == {V_LOOP_DEFAULT}
-    assert len(launches(by_transposed[True])) == 2 * MAX_PIPELINE_DEPTH * len(TOKENS_PER_TILE)
+    assert {(d, t) for d, t, _ in launches(by_transposed[True])} == \
+        {(d, t) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in (1, 2, 4)}
+    assert len(launches(by_transposed[True])) == 2 * MAX_PIPELINE_DEPTH * 3
 
 
 def test_the_tuner_splits_ranges_between_measured_counts_and_merges_equal_ones():

@@ -8,8 +8,8 @@
 // Work split: a main-loop lane holds two 16-byte chunks of one head (a chunk and its
 // RoPE partner where the rotary halves allow), so one head of D dims is D/16 adjacent
 // lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction is
-// a shuffle butterfly inside the group. Tokens go to threads in tiles of one or two
-// (tuned), the tile's groups of each head side by side. A main-loop thread keeps one
+// a shuffle butterfly inside the group. Tokens go to threads in tiles of one, two or
+// four (tuned), the tile's groups of each head side by side. A main-loop thread keeps one
 // head lane for every token it visits and requests the next token's rows (RowPipe)
 // while computing the current. V of a layout that scatters one token's dims (SHUFFLE)
 // goes, in long calls (kvf_args_t::v_loop), to a second loop every thread runs after the
@@ -56,7 +56,7 @@ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 struct Dims {
   int32_t main_kv_heads;      // K and V heads per token in the main loop: 2 nkv, or nkv when V is the V loop's
   int32_t lanes_per_token;    // main loop: heads handled per token * lanes per head
-  int32_t tile;               // tokens whose lanes of a head sit side by side (1 or 2)
+  int32_t tile;               // tokens whose lanes of a head sit side by side (1, 2 or 4)
   int64_t tokens_per_pass;    // tokens the main loop's threads cover at once (whole tiles)
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
   int64_t v_groups;           // groups of kVGroup tokens the V loop writes (the last may be partial)
@@ -959,6 +959,9 @@ int launch_depth(const kvf_args_t* a, void* stream, int depth) {
                            : launch_depth<VT, kDepth + 1>(a, stream, depth);
   }
 }
+
+static_assert((KVF_MAX_TOKENS_PER_TILE & (KVF_MAX_TOKENS_PER_TILE - 1)) == 0,
+              "launch() takes the powers of two up to KVF_MAX_TOKENS_PER_TILE");
 
 template <class VT>
 int launch(const kvf_args_t* a, void* stream) {
