@@ -8,18 +8,19 @@ For each variant (default: the MiniMax-M3 variants bench.py measures; --all: eve
 variant in variants.yaml) and token count, every depth a library holds
 (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
 KVF_MAX_TOKENS_PER_TILE), and for a transposed V (SHUFFLE) with V in the main loop and
-in the V loop, is checked against the reference, then timed under CUDA-graph replay with inputs rotated past L2, as
-bench.py times (decode slots up to 256 tokens, prefill above). A launch other than the
-library's defaults is chosen only when it is more than 2% faster. Where V is transposed,
-counts of 257..DECODE_MAX_TOKENS are also timed as decodes, each V place at its best
-depth and tile for prefills, and V's place is the one whose worse slowdown over the two
-slot patterns is smaller (again by more than 2% to move). Token ranges are split at the
-geometric midpoints between the measured counts (so the last decode-timed count's choice
-reaches to the midpoint above it); the table goes to tuning/<name>.json, with the build
-key of each variant it timed; the runtime reads it (runtime/tuning.py). Nothing is tuned
-at run time. Shapes: 4 kv heads are timed at TP1 (64, 4, 4 heads), 1 kv head at TP8.
-Counts that fit one pass of the grid (every thread one token) run at depth 1 whatever the
-depth, so there the depths time the same kernel and the 2% rule keeps the default.
+in the V loop, is checked against the reference, then timed under CUDA-graph replay with
+inputs rotated past L2, as bench.py times (decode slots up to 256 tokens, prefill
+above). A launch other than the library's defaults is chosen only when it is more than
+2% faster. Where V is transposed, counts of 257..DECODE_MAX_TOKENS are also timed as
+decodes, each V place at its best depth and tile for prefills, and V's place is the one
+whose worse slowdown over the two slot patterns is smaller (again by more than 2% to
+move). Token ranges are split at the geometric midpoints between the measured counts (so
+the last decode-timed count's choice reaches to the midpoint above it); the table goes
+to tuning/<name>.json, with the build key of each variant it timed; the runtime reads it
+(runtime/tuning.py). Nothing is tuned at run time. Shapes: 4 kv heads are timed at TP1
+(64, 4, 4 heads), 1 kv head at TP8. Counts that fit one pass of the grid (every thread
+one token) run at depth 1 whatever the depth, so there the depths time the same kernel
+and the 2% rule keeps the default.
 
 Each variant's results also go to <name>.json.partial as it finishes; --resume takes the
 variants found there whose build is unchanged (same command, device and torch) instead of

@@ -5,14 +5,13 @@ Which launch is fastest depends on the shape: a deeper pipeline (cos/sin loaded 
 ahead) hides more memory latency on long runs of tokens but costs registers and a longer
 start on short ones; two or four tokens per tile make a head's stores of them one
 instruction (whole sectors for SHUFFLE's K) and, at four, keep a warp to one role, but
-leave lanes idle on a call of fewer tokens and spread fewer tiles over the SMs; SHUFFLE's V loop stores
-whole 16-byte runs but is a second trip to memory after the main loop, which pays only
-once the call is long enough. `benchmarks/tune.py` times every depth a library holds
-(1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
-KVF_MAX_TOKENS_PER_TILE), and for a
-transposed V both places, on the GPU and writes tuning/<name>.json; the runtime only
-reads those files, so nothing is tuned at run time. A device or variant without an
-entry gets 0 for each, the library's defaults.
+leave lanes idle on a call of fewer tokens and spread fewer tiles over the SMs;
+SHUFFLE's V loop stores whole 16-byte runs but is a second trip to memory after the main
+loop, which pays only once the call is long enough. `benchmarks/tune.py` times every
+depth a library holds (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up
+to KVF_MAX_TOKENS_PER_TILE), and for a transposed V both places, on the GPU and writes
+tuning/<name>.json; the runtime only reads those files, so nothing is tuned at run time.
+A device or variant without an entry gets 0 for each, the library's defaults.
 
 File format: {"device": "<torch.cuda.get_device_name()>", "abi": KVF_ABI_VERSION,
 "command": "...", "choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop], ...,
