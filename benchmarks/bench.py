@@ -14,6 +14,7 @@ and regenerates BENCHMARKS.md and the plot (benchmarks/report.py).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import json
 import math
@@ -114,17 +115,46 @@ def graph_us(calls: list, reps: int = 7, warmup_ms: float = 100.0) -> float:
     return statistics.median(events_ms(g.replay, reps)) * 1e3 / len(calls)
 
 
+COPY_SOURCE = ROOT / "benchmarks" / "copy.hip"
+
+
+@functools.cache
+def _copy16():
+    """kvf_bench_copy16 of benchmarks/copy.hip, built (and cached) as a variant is."""
+    job, tc = build.Job("bench_copy16", COPY_SOURCE.read_text()), toolchain.default()
+    try:
+        lib = ctypes.CDLL(str(build.build(job, tc)))
+    except OSError:  # a truncated file in the cache: rebuilt once, as the registry does
+        lib = ctypes.CDLL(str(build.build(job, tc, force=True)))
+    fn = lib.kvf_bench_copy16
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    return fn
+
+
+def copy_same_bytes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """src's bytes into dst by benchmarks/copy.hip, on the current stream (graphs capture it)."""
+    if not (src.is_contiguous() and dst.is_contiguous() and src.nbytes == dst.nbytes and src.nbytes % 16 == 0
+            and src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0):
+        raise ValueError("copy_same_bytes takes two contiguous, 16-byte aligned tensors of the same size, "
+                         f"a multiple of 16 bytes; got {src.nbytes} and {dst.nbytes} bytes at "
+                         f"{src.data_ptr():#x} and {dst.data_ptr():#x}")
+    err = _copy16()(src.data_ptr(), dst.data_ptr(), src.nbytes // 16, torch.cuda.current_stream().cuda_stream)
+    if err:
+        raise RuntimeError(f"kvf_bench_copy16 failed: error {err}")
+
+
 def same_bytes_copy_us(nbytes: int, n_sets: int, n_calls: int) -> float:
     """GPU µs per call of a kernel that copies the op's bytes (half read, half written), over
     as many buffers rotated and timed as the op is: what these bytes cost at this size,
-    launch and ramp included, with no math and no dependent reads. An elementwise kernel
-    (int32 + 0, 16-byte accesses), not `copy_`: captured in a graph, that is a memcpy node,
-    which ran at 2.8 TB/s for 1.3 GB on the H200, below the 2 GiB eager copy."""
-    n = max(1, nbytes // 8)  # int32 elements: nbytes / 2 read, as many written
+    launch and ramp included, with no math and no dependent reads. benchmarks/copy.hip,
+    launched as the op is (dependent launches); torch's elementwise add (no dependent
+    launch) was 4-5% slower at 46-84 MB, and `copy_` is a memcpy node in a graph, which ran
+    at 2.8 TB/s for 1.3 GB on the H200, below the 2 GiB eager copy (benchmarks/NOTES.md,
+    session 17)."""
+    n = max(1, nbytes // 32) * 4  # int32 elements in whole 16-byte vectors: nbytes / 2 read, as many written
     bufs = [(torch.zeros(n, dtype=torch.int32, device="cuda"),
              torch.empty(n, dtype=torch.int32, device="cuda")) for _ in range(n_sets)]
-    us = graph_us([functools.partial(torch.add, bufs[i % n_sets][0], 0, out=bufs[i % n_sets][1])
-                   for i in range(n_calls)])
+    us = graph_us([functools.partial(copy_same_bytes, *bufs[i % n_sets]) for i in range(n_calls)])
     del bufs
     torch.cuda.empty_cache()
     return us
@@ -132,7 +162,8 @@ def same_bytes_copy_us(nbytes: int, n_sets: int, n_calls: int) -> float:
 
 def launch_floor_us(n_calls: int = 400) -> float:
     """GPU µs per call of a trivial kernel (torch's one-element `add_`) timed as the op
-    is: what a launch alone costs in this replay (torch launches without PDL)."""
+    is: what a launch alone costs in this replay, without a dependent launch (torch has
+    none; the same-bytes copy, which has one, takes 0.6-0.8 µs at 1 token)."""
     x = torch.zeros(1, device="cuda")
     return graph_us([functools.partial(x.add_, 1)] * n_calls)
 

@@ -27,14 +27,14 @@ def _run_section(name: str, result: dict) -> list[str]:
         f"- copy roofline (2 GiB device-to-device, read + write, same run): **{result['copy_gbps']:.0f} GB/s**",
         f"- timing: {result['timing']}",
         "- bytes: qkv read once + q_out, index_q_out, K, V, index-cache writes + positions/slots",
-        "- same-bytes copy: an elementwise kernel (int32 `x + 0`, not the roofline's `copy_`) "
-        "reading half the case's bytes and writing the other half, rotating as many buffers, "
-        "timed the same way; % of it = its µs / ours: how close a case is to what moving its "
-        "bytes costs at that size",
+        "- same-bytes copy: a plain copy kernel (`benchmarks/copy.hip`, a 16-byte vector per "
+        "thread, launched as the op is) reading half the case's bytes and writing the other "
+        "half, rotating as many buffers, timed the same way; % of it = its µs / ours: how close "
+        "a case is to what moving its bytes costs at that size",
         "- depth, tile, V: the main loop's pipeline depth, its tokens per tile, and where a "
         "transposed V is written (the V loop or the main loop; – where V is not transposed), as "
         "the runtime picked them from `tuning/` (made by `benchmarks/tune.py`)",
-        *([f"- launch floor (a one-element torch `add_` timed the same way): "
+        *([f"- launch floor (a one-element torch `add_` timed the same way, no dependent launch): "
            f"**{result['launch_floor_us']:.2f} µs** per call"] if "launch_floor_us" in result else []),
         f"- host overhead per eager call: **{result['host_overhead_us']:.1f} µs** "
         f"(signature table: {result['host_dispatch']}; torch's one-element `add_` on this CPU: "

@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from codegen.paths import ROOT
 from runtime import build, toolchain
 from runtime.abi import MAX_PIPELINE_DEPTH
 from runtime.registry import source_of, spec
@@ -41,6 +42,17 @@ def test_the_host_side_compiles_for_hip(arch, tmp_path):
         src.write_text(source_of(v))
         r = subprocess.run(tc.host_check_command(str(src)), capture_output=True, text=True)
         assert r.returncode == 0, f"{v.uri}:\n{r.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_the_benchmarks_copy_compiles_for_hip(arch, tmp_path):
+    """benchmarks/copy.hip (bench.py's same-bytes copy) is written against the same
+    portability header: its device code and its host side build for AMD too."""
+    tc = _toolchain(arch)
+    src = str(ROOT / "benchmarks" / "copy.hip")
+    for cmd in (tc.command(src, str(tmp_path / "copy.s")), tc.host_check_command(src)):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
 
 
 def kernel_metadata(asm: str, key: str) -> list[str]:
