@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from codegen.paths import ROOT
+from benchmarks.bench import COPY_SOURCE
 from runtime import build, toolchain
 from runtime.abi import MAX_PIPELINE_DEPTH
 from runtime.registry import source_of, spec
@@ -49,7 +49,7 @@ def test_the_benchmarks_copy_compiles_for_hip(arch, tmp_path):
     """benchmarks/copy.hip (bench.py's same-bytes copy) is written against the same
     portability header: its device code and its host side build for AMD too."""
     tc = _toolchain(arch)
-    src = str(ROOT / "benchmarks" / "copy.hip")
+    src = str(COPY_SOURCE)
     for cmd in (tc.command(src, str(tmp_path / "copy.s")), tc.host_check_command(src)):
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-2000:]

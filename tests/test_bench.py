@@ -1,31 +1,10 @@
 """The benchmark's same-bytes copy (benchmarks/copy.hip): bench.py times it as what moving
-a case's bytes costs at that size, so it must move exactly them, launched as the op is."""
-import ctypes
-import shutil
-import subprocess
-
+a case's bytes costs at that size, so it must move exactly them (its build, as a dependent
+launch: tests/test_build.py; for AMD: tests/test_amd.py)."""
 import pytest
 import torch
 
-from benchmarks.bench import COPY_SOURCE, copy_same_bytes
-from codegen.paths import INCLUDE
-from runtime import build, toolchain
-
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-
-
-@needs_nvcc
-def test_it_builds_as_a_variant_does_and_is_a_dependent_launch(tmp_path):
-    tc = toolchain.detect(is_rocm=False, arch="sm_90")
-    lib = ctypes.CDLL(str(build.build(build.Job("bench_copy16", COPY_SOURCE.read_text()), tc, root=tmp_path)))
-    assert lib.kvf_bench_copy16
-    # The op waits for the previous kernel and lets the next one start; a copy that did
-    # neither would pay a launch the op does not (torch's add: 4-5% slower at 46-84 MB).
-    ptx = tmp_path / "copy.ptx"
-    subprocess.run([tc.compiler, "-x", "cu", "-std=c++17", "-ptx", "-arch=sm_90", f"-I{INCLUDE}",
-                    str(COPY_SOURCE), "-o", str(ptx)], check=True, capture_output=True)
-    text = ptx.read_text()
-    assert "griddepcontrol.launch_dependents;" in text and "griddepcontrol.wait;" in text
+from benchmarks.bench import copy_same_bytes
 
 
 @pytest.mark.parametrize("src,dst", [

@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from codegen.model import make_variant
-from codegen.paths import ROOT
+from benchmarks.bench import COPY_SOURCE
+from codegen.paths import INCLUDE, ROOT
 from runtime import build, toolchain
 from runtime.abi import KernelLibrary
 from runtime.registry import Registry, UnlistedVariantWarning, listed, source_of, spec
@@ -210,3 +211,18 @@ def test_the_ctypes_mirror_matches_the_c_abi(tmp_path):
     want = [getattr(CacheArg if t == "kvf_cache_t" else Args, f).offset for t, f in fields] + \
            [ctypes.sizeof(CacheArg), ctypes.sizeof(Args)]
     assert got == want, [(f, g, w) for (_, f), g, w in zip(fields + [("", "sizeof")] * 2, got, want) if g != w]
+
+
+@needs_nvcc
+def test_the_benchmarks_copy_builds_as_a_variant_does_and_is_a_dependent_launch(nvcc_sm90, tmp_path):
+    """benchmarks/copy.hip, bench.py's same-bytes copy (its GPU test: tests/test_bench.py)."""
+    tc = nvcc_sm90
+    lib = ctypes.CDLL(str(build.build(build.Job("bench_copy16", COPY_SOURCE.read_text()), tc, root=tmp_path)))
+    assert lib.kvf_bench_copy16
+    # The op waits for the previous kernel and lets the next one start; a copy that did
+    # neither would pay a launch the op does not (torch's add: 4-5% slower at 46-84 MB).
+    ptx = tmp_path / "copy.ptx"
+    subprocess.run([tc.compiler, "-x", "cu", "-std=c++17", "-ptx", "-arch=sm_90", f"-I{INCLUDE}",
+                    str(COPY_SOURCE), "-o", str(ptx)], check=True, capture_output=True)
+    text = ptx.read_text()
+    assert "griddepcontrol.launch_dependents;" in text and "griddepcontrol.wait;" in text
