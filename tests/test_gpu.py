@@ -23,7 +23,7 @@ CASES = [
     pytest.param(7, 8, 2, "prefill", 2, {"page_stride_pad": 1}, id="t7-prefill-pad-strided"),
     pytest.param(33, 16, 1, "random", 3, {"cos_sin": "random"}, id="t33-shuffled-randcs"),
     # scattered slots past the default V-loop threshold: an untuned SHUFFLE variant's V
-    # loop writes every group by value (MULTI_PASS runs both V places for every variant)
+    # loop writes every group by value (LAUNCH_CALLS run both V places for every variant)
     pytest.param(V_LOOP_MIN_TOKENS + 44, 8, 2, "random", 4, {}, id="t300-shuffled"),
     pytest.param(1000, 8, 4, "prefill", 0, {"num_slots": 990, "extra_pages": 0}, id="t1000-short-slots"),
     pytest.param(64, 64, 4, "decode", 5, {"extra_pages": 0}, id="t64-tp1-decode"),
@@ -34,15 +34,18 @@ CASES = [
 # depths, tiles and, where V is transposed, V in the main loop and in the V loop).
 VARIANT_LAUNCHES = [pytest.param(v, launch, id=f"{v.uri}-depth{launch.depth}-tile{launch.tile}-vloop{launch.v_loop}")
                     for v in VARIANTS for launch in launches(v)]
-# Calls that run a thread's pipeline through several tokens, each launch's grid being one
-# wave (an H200 holds 3 x 132 blocks of 256 threads): (tokens, q heads, slots,
-# padded tokens, slot-mapping length). 3999 tokens of 8 q heads are at least two passes
-# for every head_dim (at most ~1700 tokens per pass); 200 decode tokens of 64 q heads
-# (168-194 per pass at head_dim 128, fewer above; one pass at 64). A SHUFFLE V goes both ways in each:
-# in the main loop a thread's second token reuses the row its group stages V through,
-# the V loop meets prefill runs and decode's scattered slots.
-MULTI_PASS = [pytest.param(3999, 8, "prefill", 7, 3990, id="t3999-prefill"),
-              pytest.param(201, 64, "decode", 5, 198, id="t201-tp1-decode")]
+# Calls every launch configuration runs: (tokens, q heads, slots, padded tokens,
+# slot-mapping length). Two run a thread's pipeline through several tokens, each launch's
+# grid being one wave (an H200 holds 3 x 132 blocks of 256 threads): 3999 tokens of 8 q
+# heads are at least two passes for every head_dim (at most ~1700 tokens per pass); 200
+# decode tokens of 64 q heads (168-194 per pass at head_dim 128, fewer above; one pass at
+# 64). A SHUFFLE V goes both ways in each: in the main loop a thread's second token reuses
+# the row its group stages V through, the V loop meets prefill runs and decode's scattered
+# slots. 19 decode tokens of 64 q heads fill fewer blocks of 256 than an H200 has SMs, so
+# the launch takes smaller blocks (64 threads at head_dim 128).
+LAUNCH_CALLS = [pytest.param(3999, 8, "prefill", 7, 3990, id="t3999-prefill"),
+                pytest.param(201, 64, "decode", 5, 198, id="t201-tp1-decode"),
+                pytest.param(19, 64, "decode", 2, 17, id="t19-tp1-decode-small-blocks")]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -72,13 +75,14 @@ def test_variant_matches_reference(variant, tokens, nq, niq, slots, pad, opts):
     assert stats["q_out"]["addressed"] == tokens * nq * variant.head_dim
 
 
-@pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", MULTI_PASS)
+@pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", LAUNCH_CALLS)
 @pytest.mark.parametrize("variant,launch", VARIANT_LAUNCHES)
 def test_every_launch_configuration_matches_reference(variant, launch, tokens, nq, slots, pad, num_slots):
     """The tuned table may pick any depth a library holds, any tile and either place for
-    a transposed V, for any token count: each thread runs the pipeline through several
-    tokens (MULTI_PASS), the last ones padded, past the slots, or alone in their tile
-    (3999 and 201 tokens leave 1 or 3 in the last tile of 2 or 4)."""
+    a transposed V, for any token count (LAUNCH_CALLS): each thread runs the pipeline
+    through several tokens, or a call takes blocks smaller than 256 threads; the last
+    tokens padded, past the slots, or alone in their tile (3999, 201 and 19 tokens leave
+    1 or 3 in the last tile of 2 or 4)."""
     niq = 0 if variant.index_mode is IndexMode.NONE else 2
     args = make_inputs(variant, tokens, nq, niq, slots=slots, pad=pad, device="cuda", seed=21,
                        cos_sin="random", num_slots=num_slots)
@@ -95,14 +99,14 @@ def register_pipeline():
     return tc
 
 
-@pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", MULTI_PASS)
+@pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", LAUNCH_CALLS)
 @pytest.mark.parametrize("variant,launch", VARIANT_LAUNCHES)
 def test_register_pipeline_matches_reference(variant, launch, tokens, nq, slots, pad, num_slots,
                                              register_pipeline):
-    """AMD's pipeline, run: several tokens per thread (see above), the last ones padded,
-    past the slots, or past the end, where its row loads repeat the last row; a SHUFFLE
-    V written in the main loop stored lane by lane, as AMD does (no staging without
-    cp.async)."""
+    """AMD's pipeline, run on the calls above (several tokens per thread, small blocks):
+    the last tokens padded, past the slots, or past the end, where its row loads repeat
+    the last row; a SHUFFLE V written in the main loop stored lane by lane, as AMD does
+    (no staging without cp.async)."""
     niq = 0 if variant.index_mode is IndexMode.NONE else 2
     args = make_inputs(variant, tokens, nq, niq, slots=slots, pad=pad, device="cuda", seed=22,
                        cos_sin="random", num_slots=num_slots)

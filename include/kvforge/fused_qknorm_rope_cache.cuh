@@ -934,19 +934,33 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
     if (hipOccupancyMaxActiveBlocksPerMultiprocessor(&b, fused_kernel<VT, kDepth>, kBlock, 0) == hipSuccess)
       per_sm = b;
   }
-  const int64_t cap = int64_t(dev < 64 && sm_count[dev] ? sm_count[dev] : 132) * (per_sm > 0 ? per_sm : 1);
+  const int64_t sms = dev < 64 && sm_count[dev] ? sm_count[dev] : 132;
+  const int64_t cap = sms * (per_sm > 0 ? per_sm : 1);
   dims.tile = a->tokens_per_tile ? a->tokens_per_tile : KVF_DEFAULT_TOKENS_PER_TILE;
   const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
   const int64_t total_main = (int64_t(a->num_tokens) + dims.tile - 1) / dims.tile * tile_lanes;
-  int64_t blocks = (total_main + kBlock - 1) / kBlock;
-  if (blocks > cap) blocks = cap;
+  // A call whose blocks would leave SMs idle takes blocks of half as many threads, down to
+  // a quarter of kBlock, while all stay resident: its threads then reach more SMs (TP1, 16
+  // decode tokens, 39 blocks of 256: SHUFFLE bf16 2.07 -> 1.86 us, 1 token 1.38 -> 1.29;
+  // NOTES, session 18). Such a call is one pass, so it runs the depth-1 kernel.
+  static int per_sm_small[2] = {0, 0};  // resident blocks of kBlock / 2 and kBlock / 4 threads
+  int threads = kBlock;
+  for (int k = 0; k < 2 && (total_main + threads - 1) / threads < sms; ++k) {
+    if (per_sm_small[k] == 0 &&
+        hipOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_small[k], fused_kernel<VT, 1>, threads / 2, 0) != hipSuccess)
+      per_sm_small[k] = 0;  // query failed: keep the larger blocks
+    if ((total_main + threads / 2 - 1) / (threads / 2) > sms * per_sm_small[k]) break;
+    threads /= 2;
+  }
+  int64_t blocks = (total_main + threads - 1) / threads;
+  if (threads == kBlock && blocks > cap) blocks = cap;
   // Every main-loop thread keeps one head lane; at least one tile's worth of them.
-  const int64_t min_blocks = (tile_lanes + kBlock - 1) / kBlock;
+  const int64_t min_blocks = (tile_lanes + threads - 1) / threads;
   if (blocks < min_blocks) blocks = min_blocks;
-  dims.tokens_per_pass = blocks * kBlock / tile_lanes * dims.tile;
+  dims.tokens_per_pass = blocks * threads / tile_lanes * dims.tile;
   // A call of one pass has no pipeline to deepen: it runs at depth 1 (see main_loop).
   const auto kernel = dims.tokens_per_pass >= a->num_tokens ? fused_kernel<VT, 1> : fused_kernel<VT, kDepth>;
-  return int(launch_kernel(kernel, static_cast<unsigned>(blocks), kBlock,
+  return int(launch_kernel(kernel, static_cast<unsigned>(blocks), threads,
                            static_cast<hipStream_t>(stream), dependent_launch_supported(dev), *a, dims));
 }
 
