@@ -940,9 +940,11 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
   const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
   const int64_t total_main = (int64_t(a->num_tokens) + dims.tile - 1) / dims.tile * tile_lanes;
   // A call whose blocks would leave SMs idle takes blocks of half as many threads, down to
-  // a quarter of kBlock, while all stay resident: its threads then reach more SMs (TP1, 16
-  // decode tokens, 39 blocks of 256: SHUFFLE bf16 2.07 -> 1.86 us, 1 token 1.38 -> 1.29;
-  // NOTES, session 18). Such a call is one pass, so it runs the depth-1 kernel.
+  // a quarter of kBlock, while all stay resident (each keeps the shared memory sized for
+  // kBlock): its threads then reach more SMs (TP1, 16 decode tokens, 39 blocks of 256:
+  // SHUFFLE bf16 2.07 -> 1.86 us). Where the halved grid has more blocks than SMs it can
+  // lose (TP4, 128 tokens: 1.8 -> 2.0 us; NOTES v6.15, next step 4). Such a call is one
+  // pass, so it runs the depth-1 kernel.
   static int per_sm_small[2] = {0, 0};  // resident blocks of kBlock / 2 and kBlock / 4 threads
   int threads = kBlock;
   for (int k = 0; k < 2 && (total_main + threads - 1) / threads < sms; ++k) {
