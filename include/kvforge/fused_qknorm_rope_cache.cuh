@@ -921,38 +921,39 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
   // One wave of resident blocks at most; the main loop's threads then stride over the
   // tokens. While the work fits, a lane per 32 bytes of a token (few tokens: the most
   // parallelism).
-  static int sm_count[64] = {0};
-  static int per_sm = 0;
   int dev = 0;
   if (hipGetDevice(&dev) != hipSuccess) return int(hipGetLastError());
-  if (dev < 64 && sm_count[dev] == 0) {  // queried once; a failed query keeps the defaults below
-    int n = 0;
-    if (hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, dev) == hipSuccess) sm_count[dev] = n;
-  }
-  if (per_sm == 0) {
-    int b = 0;
-    if (hipOccupancyMaxActiveBlocksPerMultiprocessor(&b, fused_kernel<VT, kDepth>, kBlock, 0) == hipSuccess)
-      per_sm = b;
-  }
-  const int64_t sms = dev < 64 && sm_count[dev] ? sm_count[dev] : 132;
-  const int64_t cap = sms * (per_sm > 0 ? per_sm : 1);
+  static int sm_count[kMaxDevices];
+  const int64_t sms = device_fact(sm_count, dev, [dev](int* v) {
+    return hipDeviceGetAttribute(v, hipDeviceAttributeMultiprocessorCount, dev);
+  });
+  const int64_t sm_total = sms ? sms : 132;
+  // Resident blocks per SM of this depth's kernel at kBlock threads, and of the depth-1
+  // kernel at kBlock / 4 (below).
+  static int per_sm[kMaxDevices], per_sm_quarter[kMaxDevices];
+  const int resident = device_fact(per_sm, dev, [](int* v) {
+    return hipOccupancyMaxActiveBlocksPerMultiprocessor(v, fused_kernel<VT, kDepth>, kBlock, 0);
+  });
+  const int64_t cap = sm_total * (resident ? resident : 1);
   dims.tile = a->tokens_per_tile ? a->tokens_per_tile : KVF_DEFAULT_TOKENS_PER_TILE;
   const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
   const int64_t total_main = (int64_t(a->num_tokens) + dims.tile - 1) / dims.tile * tile_lanes;
-  // A call whose blocks would leave SMs idle takes blocks of half as many threads, down to
-  // a quarter of kBlock, while all stay resident (each keeps the shared memory sized for
-  // kBlock): its threads then reach more SMs (TP1, 16 decode tokens, 39 blocks of 256:
-  // SHUFFLE bf16 2.07 -> 1.86 us). Where the halved grid has more blocks than SMs it can
-  // lose (TP4, 128 tokens: 1.8 -> 2.0 us; NOTES v6.15, next step 4). Such a call is one
-  // pass, so it runs the depth-1 kernel.
-  static int per_sm_small[2] = {0, 0};  // resident blocks of kBlock / 2 and kBlock / 4 threads
+  const auto blocks_of = [total_main](int threads) { return (total_main + threads - 1) / threads; };
+  // A call whose blocks would leave SMs idle takes blocks of fewer threads, so its threads
+  // reach more SMs (TP1, 16 decode tokens, 39 blocks of 256: SHUFFLE bf16 2.07 -> 1.86 us):
+  // kBlock / 2 where that grid still has at most one block per SM (past that it lost: TP4,
+  // 128 tokens, 80 blocks of 256 or 160 of 128: 1.77 -> 2.0 us), then kBlock / 4 where
+  // the kBlock / 2 grid leaves SMs idle and the smaller blocks all stay resident (each keeps
+  // the shared memory sized for kBlock). NOTES v6.15, v6.16. Such a call is one pass, so it
+  // runs the depth-1 kernel.
   int threads = kBlock;
-  for (int k = 0; k < 2 && (total_main + threads - 1) / threads < sms; ++k) {
-    if (per_sm_small[k] == 0 &&
-        hipOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_small[k], fused_kernel<VT, 1>, threads / 2, 0) != hipSuccess)
-      per_sm_small[k] = 0;  // query failed: keep the larger blocks
-    if ((total_main + threads / 2 - 1) / (threads / 2) > sms * per_sm_small[k]) break;
-    threads /= 2;
+  if (blocks_of(kBlock / 2) <= sm_total) {
+    threads = kBlock / 2;
+    if (blocks_of(threads) < sm_total &&
+        blocks_of(kBlock / 4) <= sm_total * device_fact(per_sm_quarter, dev, [](int* v) {
+          return hipOccupancyMaxActiveBlocksPerMultiprocessor(v, fused_kernel<VT, 1>, kBlock / 4, 0);
+        }))
+      threads = kBlock / 4;
   }
   int64_t blocks = (total_main + threads - 1) / threads;
   if (threads == kBlock && blocks > cap) blocks = cap;

@@ -128,14 +128,32 @@ KVF_DEVICE int64_t load_l2(const int64_t* p) {
 #endif
 }
 
-// Whether the current device can overlap launches so (queried once per device).
+// Facts about a device that launches read on every call, queried once per device and
+// cached in `cache` (0: not yet asked; -1: the query failed or gave nothing positive).
+// Returns 0 where unknown, so callers keep their defaults; a failed query's error is
+// cleared, or the next launch's hipGetLastError() would report it as its own.
+constexpr int kMaxDevices = 64;
+template <class Query>
+int device_fact(int (&cache)[kMaxDevices], int dev, Query query) {
+  if (dev < 0 || dev >= kMaxDevices) return 0;
+  if (cache[dev] == 0) {
+    int v = 0;
+    if (query(&v) != hipSuccess) {
+      v = 0;
+      (void)hipGetLastError();
+    }
+    cache[dev] = v > 0 ? v : -1;
+  }
+  return cache[dev] > 0 ? cache[dev] : 0;
+}
+
+// Whether the current device can overlap launches so.
 inline bool dependent_launch_supported(int dev) {
 #ifdef KVF_CUDA
-  static int major[64] = {0};
-  if (dev < 0 || dev >= 64) return false;
-  if (major[dev] == 0 && cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-    major[dev] = -1;
-  return major[dev] >= 9;
+  static int major[kMaxDevices];
+  return device_fact(major, dev, [dev](int* v) {
+           return cudaDeviceGetAttribute(v, cudaDevAttrComputeCapabilityMajor, dev);
+         }) >= 9;
 #else
   (void)dev;
   return false;
