@@ -939,13 +939,12 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
   const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
   const int64_t total_main = (int64_t(a->num_tokens) + dims.tile - 1) / dims.tile * tile_lanes;
   const auto blocks_of = [total_main](int threads) { return (total_main + threads - 1) / threads; };
-  // A call whose blocks would leave SMs idle takes blocks of fewer threads, so its threads
-  // reach more SMs (TP1, 16 decode tokens, 39 blocks of 256: SHUFFLE bf16 2.07 -> 1.86 us):
-  // kBlock / 2 where that grid still has at most one block per SM (past that it lost: TP4,
-  // 128 tokens, 80 blocks of 256 or 160 of 128: 1.77 -> 2.0 us), then kBlock / 4 where
-  // the kBlock / 2 grid leaves SMs idle and the smaller blocks all stay resident (each keeps
-  // the shared memory sized for kBlock). NOTES v6.15, v6.16. Such a call is one pass, so it
-  // runs the depth-1 kernel.
+  // Smaller blocks reach more SMs where a call has few lanes (TP1, 16 decode tokens, 39
+  // blocks of 256: SHUFFLE bf16 2.07 -> 1.86 us): kBlock / 2 where that grid has at most
+  // one block per SM (past that it lost: TP4, 128 tokens, 80 blocks of 256 or 160 of 128:
+  // m3 1.76 -> 2.0 us), then kBlock / 4 where the kBlock / 2 grid leaves SMs idle and the
+  // smaller blocks all stay resident (each keeps the shared memory sized for kBlock). NOTES
+  // v6.15, v6.16. Such a call is one pass, so it runs the depth-1 kernel.
   int threads = kBlock;
   if (blocks_of(kBlock / 2) <= sm_total) {
     threads = kBlock / 2;
