@@ -908,6 +908,15 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksPerSm)
   }
 }
 
+// Resident blocks per SM of fused_kernel<VT, kDepth> at kThreads threads; 0 where unknown.
+template <class VT, int kDepth, int kThreads>
+int resident_blocks(int dev) {
+  static std::atomic<int> count[kMaxDevices];
+  return device_fact(count, dev, [](int* v) {
+    return hipOccupancyMaxActiveBlocksPerMultiprocessor(v, fused_kernel<VT, kDepth>, kThreads, 0);
+  });
+}
+
 template <class VT, int kDepth>
 int launch_at_depth(const kvf_args_t* a, void* stream) {
   using F = Fused<VT>;
@@ -923,18 +932,10 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
   // parallelism).
   int dev = 0;
   if (hipGetDevice(&dev) != hipSuccess) return int(hipGetLastError());
-  static int sm_count[kMaxDevices];
-  const int64_t sms = device_fact(sm_count, dev, [dev](int* v) {
-    return hipDeviceGetAttribute(v, hipDeviceAttributeMultiprocessorCount, dev);
-  });
-  const int64_t sm_total = sms ? sms : 132;
-  // Resident blocks per SM of this depth's kernel at kBlock threads, and of the depth-1
-  // kernel at kBlock / 4 (below).
-  static int per_sm[kMaxDevices], per_sm_quarter[kMaxDevices];
-  const int resident = device_fact(per_sm, dev, [](int* v) {
-    return hipOccupancyMaxActiveBlocksPerMultiprocessor(v, fused_kernel<VT, kDepth>, kBlock, 0);
-  });
-  const int64_t cap = sm_total * (resident ? resident : 1);
+  const int n_sms = sm_count(dev);
+  const int64_t sms = n_sms ? n_sms : 132;
+  const int resident = resident_blocks<VT, kDepth, kBlock>(dev);
+  const int64_t cap = sms * (resident ? resident : 1);
   dims.tile = a->tokens_per_tile ? a->tokens_per_tile : KVF_DEFAULT_TOKENS_PER_TILE;
   const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
   const int64_t total_main = (int64_t(a->num_tokens) + dims.tile - 1) / dims.tile * tile_lanes;
@@ -946,15 +947,12 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
   // smaller blocks all stay resident (each keeps the shared memory sized for kBlock). NOTES
   // v6.15, v6.16. Such a call is one pass, so it runs the depth-1 kernel.
   int threads = kBlock;
-  if (blocks_of(kBlock / 2) <= sm_total) {
+  if (blocks_of(kBlock / 2) <= sms) {
     threads = kBlock / 2;
-    if (blocks_of(threads) < sm_total &&
-        blocks_of(kBlock / 4) <= sm_total * device_fact(per_sm_quarter, dev, [](int* v) {
-          return hipOccupancyMaxActiveBlocksPerMultiprocessor(v, fused_kernel<VT, 1>, kBlock / 4, 0);
-        }))
+    if (blocks_of(threads) < sms && blocks_of(kBlock / 4) <= sms * resident_blocks<VT, 1, kBlock / 4>(dev))
       threads = kBlock / 4;
   }
-  int64_t blocks = (total_main + threads - 1) / threads;
+  int64_t blocks = blocks_of(threads);
   if (threads == kBlock && blocks > cap) blocks = cap;
   // Every main-loop thread keeps one head lane; at least one tile's worth of them.
   const int64_t min_blocks = (tile_lanes + threads - 1) / threads;

@@ -8,6 +8,8 @@
 
 #include <stdint.h>
 
+#include <atomic>
+
 #if defined(__HIPCC__) || defined(__HIP__) || defined(__HIP_PLATFORM_AMD__)
 #define KVF_HIP 1
 #include <hip/hip_runtime.h>
@@ -129,28 +131,38 @@ KVF_DEVICE int64_t load_l2(const int64_t* p) {
 }
 
 // Facts about a device that launches read on every call, queried once per device and
-// cached in `cache` (0: not yet asked; -1: the query failed or gave nothing positive).
-// Returns 0 where unknown, so callers keep their defaults; a failed query's error is
-// cleared, or the next launch's hipGetLastError() would report it as its own.
+// cached in `cache` (0: not yet asked; -1: the query failed or gave nothing positive;
+// threads that race on a first query store the same answer). Returns 0 where unknown, so
+// callers keep their defaults; a failed query's error is cleared, or the next launch's
+// hipGetLastError() would report it as its own.
 constexpr int kMaxDevices = 64;
 template <class Query>
-int device_fact(int (&cache)[kMaxDevices], int dev, Query query) {
+int device_fact(std::atomic<int> (&cache)[kMaxDevices], int dev, Query query) {
   if (dev < 0 || dev >= kMaxDevices) return 0;
-  if (cache[dev] == 0) {
-    int v = 0;
+  int v = cache[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
     if (query(&v) != hipSuccess) {
       v = 0;
       (void)hipGetLastError();
     }
-    cache[dev] = v > 0 ? v : -1;
+    v = v > 0 ? v : -1;
+    cache[dev].store(v, std::memory_order_relaxed);
   }
-  return cache[dev] > 0 ? cache[dev] : 0;
+  return v > 0 ? v : 0;
+}
+
+// The device's SM (CU) count; 0 where unknown.
+inline int sm_count(int dev) {
+  static std::atomic<int> count[kMaxDevices];
+  return device_fact(count, dev, [dev](int* v) {
+    return hipDeviceGetAttribute(v, hipDeviceAttributeMultiprocessorCount, dev);
+  });
 }
 
 // Whether the current device can overlap launches so.
 inline bool dependent_launch_supported(int dev) {
 #ifdef KVF_CUDA
-  static int major[kMaxDevices];
+  static std::atomic<int> major[kMaxDevices];
   return device_fact(major, dev, [dev](int* v) {
            return cudaDeviceGetAttribute(v, cudaDevAttrComputeCapabilityMajor, dev);
          }) >= 9;
