@@ -121,11 +121,7 @@ COPY_SOURCE = ROOT / "benchmarks" / "copy.hip"
 @functools.cache
 def _copy16():
     """kvf_bench_copy16 of benchmarks/copy.hip, built (and cached) as a variant is."""
-    job, tc = build.Job("bench_copy16", COPY_SOURCE.read_text()), toolchain.default()
-    try:
-        lib = ctypes.CDLL(str(build.build(job, tc)))
-    except OSError:  # a truncated file in the cache: rebuilt once, as the registry does
-        lib = ctypes.CDLL(str(build.build(job, tc, force=True)))
+    lib = build.build_and_load(build.Job("bench_copy16", COPY_SOURCE.read_text()), toolchain.default(), ctypes.CDLL)
     fn = lib.kvf_bench_copy16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return fn

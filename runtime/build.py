@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, TypeVar
 
 from filelock import FileLock
 
@@ -116,6 +116,18 @@ def build(job: Job, tc: Toolchain, root: Path | None = None, force: bool = False
         write_ninja([job], tc, root, d / "build.ninja")
         run_ninja(d / "build.ninja", targets=[lib])
     return lib
+
+
+Loaded = TypeVar("Loaded")
+
+
+def build_and_load(job: Job, tc: Toolchain, load: Callable[[str], Loaded]) -> Loaded:
+    """`load` (e.g. ctypes.CDLL) of the job's library, built if absent. A file in the cache
+    that does not load (truncated, or foreign) is rebuilt once, then trusted."""
+    try:
+        return load(str(build(job, tc)))
+    except OSError:
+        return load(str(build(job, tc, force=True)))
 
 
 def build_many(jobs: list[Job], tc: Toolchain, root: Path | None = None,

@@ -73,14 +73,7 @@ class Registry:
     def _load(v: Variant, tc: _toolchain.Toolchain) -> KernelLibrary:
         if v not in listed():
             warnings.warn(add_hint(v), UnlistedVariantWarning, stacklevel=4)
-        job = _build.Job(v.uri, source_of(v))
-        path = _build.build(job, tc)
-        try:
-            return KernelLibrary(str(path), v.uri)
-        except OSError:
-            # A truncated or foreign file in the cache: rebuild it once, then trust it.
-            path = _build.build(job, tc, force=True)
-            return KernelLibrary(str(path), v.uri)
+        return _build.build_and_load(_build.Job(v.uri, source_of(v)), tc, lambda path: KernelLibrary(path, v.uri))
 
 
 REGISTRY = Registry()
