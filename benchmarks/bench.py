@@ -194,7 +194,7 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
         "dtype": "bf16", "kv": v.kv_scale.value, "index": v.index_dtype.value if v.index_dtype else None,
         "bytes": nbytes, "input_sets": n_sets, "calls_per_graph": n_calls,
         "identical_min": identical,
-        "pipeline_depth": launch.depth, "tokens_per_tile": launch.tile,
+        "pipeline_depth": launch.depth, "tokens_per_tile": launch.tile, "lanes_per_thread": launch.lanes,
         "v_written": {V_LOOP_ON: "V loop", V_LOOP_OFF: "main loop"}.get(launch.v_loop),
         "us": graph_us(ours),
         "us_event_per_call": statistics.median(events_ms(ours[0], 30)) * 1e3,

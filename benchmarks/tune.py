@@ -7,8 +7,9 @@ variant and token range on this GPU.
 For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
 variant in variants.yaml) and token count, every depth a library holds
 (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
-KVF_MAX_TOKENS_PER_TILE), and for a transposed V (SHUFFLE) with V in the main loop and
-in the V loop, is checked against the reference, then timed under CUDA-graph replay with
+KVF_MAX_TOKENS_PER_TILE) and every count of head lanes per thread the variant has
+(codegen/layout.py: max_lanes_per_thread), and for a transposed V (SHUFFLE) with V in the
+main loop and in the V loop, is checked against the reference, then timed under CUDA-graph replay with
 inputs rotated past L2, as bench.py times (decode slots up to 256 tokens, prefill
 above). A launch other than the library's defaults is chosen only when it is more than
 2% faster. Where V is transposed, counts of 257..DECODE_MAX_TOKENS are also timed as
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench import CONFIGS, DECODE_UP_TO, TP, find_variant, graph_us, input_sets  # noqa: E402
-from codegen.layout import v_transposed  # noqa: E402
+from codegen.layout import max_lanes_per_thread, v_transposed  # noqa: E402
 from codegen.model import IndexMode  # noqa: E402
 from codegen.paths import TUNED  # noqa: E402
 from runtime import build, toolchain  # noqa: E402
@@ -64,7 +65,9 @@ DECODE_MAX_TOKENS = 4096
 def launches(v) -> list[Launch]:
     """Every launch the variant's library distinguishes."""
     places = (V_LOOP_OFF, V_LOOP_ON) if v_transposed(v) else (V_LOOP_DEFAULT,)
-    return [Launch(d, t, p) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in TOKENS_PER_TILE for p in places]
+    lanes = range(1, max_lanes_per_thread(v.head_dim, v.rotary_dim) + 1)
+    return [Launch(d, t, p, n) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in TOKENS_PER_TILE for p in places
+            for n in lanes]
 
 
 def time_launches(v, tokens: int, candidates: list[Launch], slots: Optional[str] = None) -> dict[Launch, float]:
@@ -104,20 +107,24 @@ def tune_variant(v, tokens: list[int]) -> tuple[list, dict]:
     for t in tokens:
         times = time_launches(v, t, launches(v))
         pick = choose(times, DEFAULT.resolved(t, v_transposed(v)))
-        measured[str(t)] = {f"depth{d}-tile{k}-vloop{p}": round(us, 3) for (d, k, p), us in times.items()}
-        line = "  ".join(f"d{d}t{k}v{p} {us:.2f} us" for (d, k, p), us in times.items())
+        measured[str(t)] = {_key(launch): round(us, 3) for launch, us in times.items()}
+        line = "  ".join(f"d{d}t{k}v{p}l{n} {us:.2f} us" for (d, k, p, n), us in times.items())
         if v_transposed(v) and DECODE_UP_TO < t <= DECODE_MAX_TOKENS:
-            # the pick, and the other place at its best depth and tile
+            # the pick, and the other place at its best depth, tile and lanes
             both = [pick if p == pick.v_loop else min((x for x in times if x.v_loop == p), key=times.get)
                     for p in (V_LOOP_OFF, V_LOOP_ON)]
             decode = time_launches(v, t, both, slots="decode")
             pick = v_place({launch: times[launch] for launch in both}, decode, pick)
-            measured[str(t)].update({f"decode-depth{d}-tile{k}-vloop{p}": round(us, 3)
-                                     for (d, k, p), us in decode.items()})
-            line += "  decode: " + "  ".join(f"d{d}t{k}v{p} {us:.2f} us" for (d, k, p), us in decode.items())
+            measured[str(t)].update({"decode-" + _key(launch): round(us, 3) for launch, us in decode.items()})
+            line += "  decode: " + "  ".join(f"d{d}t{k}v{p}l{n} {us:.2f} us" for (d, k, p, n), us in decode.items())
         picks.append((t, pick))
-        print(f"{v.uri} T={t}: {line}  -> depth {pick.depth} tile {pick.tile} v_loop {pick.v_loop}", flush=True)
+        print(f"{v.uri} T={t}: {line}  -> depth {pick.depth} tile {pick.tile} v_loop {pick.v_loop} "
+              f"lanes {pick.lanes}", flush=True)
     return ranges(picks), measured
+
+
+def _key(launch: Launch) -> str:
+    return "depth{}-tile{}-vloop{}-lanes{}".format(*launch)
 
 
 def ranges(choices: list[tuple[int, Launch]]) -> list[list]:

@@ -43,6 +43,14 @@ def lane_dims(head_dim: int, rotary_dim: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(d for c in pair for d in range(c * VEC, c * VEC + VEC)) for pair in pairs)
 
 
+def max_lanes_per_thread(head_dim: int, rotary_dim: int) -> int:
+    """The most of a head's lanes (lane_dims) one main-loop thread may hold: two where the
+    rotary halves are VEC-aligned (a lane rotates its own chunks, no exchange with its
+    neighbours) and a head has two lanes or more, else one. The generated source's
+    Traits::kMaxLanesPerThread; the tuner tries each count up to it."""
+    return 2 if (rotary_dim // 2) % VEC == 0 and head_dim // (2 * VEC) >= 2 else 1
+
+
 @dataclass(frozen=True)
 class CacheAccess:
     """A cache as the kernel sees it for one variant."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
-from .layout import access
+from .layout import access, max_lanes_per_thread
 from .model import DType, Fp8, IndexMode, KvScale, Norm, Saturation, Spec, Variant
 from .paths import GENERATED, INCLUDE, TEMPLATES
 
@@ -97,7 +97,8 @@ def render_variant(v: Variant) -> str:
         axes=v.axes(), model=_DTYPE[v.dtype], cos_sin=_DTYPE[v.cos_sin],
         gemma=v.norm is Norm.GEMMA, index_mode=_INDEX_MODE[v.index_mode],
         kv_scale=_SCALE[v.kv_scale], fp8=_FP8[v.fp8],
-        saturate=v.contract.saturation is Saturation.SATURATE, caches=caches)
+        saturate=v.contract.saturation is Saturation.SATURATE,
+        max_lanes=max_lanes_per_thread(v.head_dim, v.rotary_dim), caches=caches)
 
 
 def manifest(spec: Spec) -> str:

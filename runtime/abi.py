@@ -24,6 +24,8 @@ V_LOOP_DEFAULT = _header_define("KVF_V_LOOP_DEFAULT")
 V_LOOP_OFF = _header_define("KVF_V_LOOP_OFF")
 V_LOOP_ON = _header_define("KVF_V_LOOP_ON")
 V_LOOP_MIN_TOKENS = _header_define("KVF_V_LOOP_MIN_TOKENS")
+MAX_LANES_PER_THREAD = _header_define("KVF_MAX_LANES_PER_THREAD")
+DEFAULT_LANES_PER_THREAD = _header_define("KVF_DEFAULT_LANES_PER_THREAD")
 
 
 class CacheArg(ctypes.Structure):
@@ -60,6 +62,7 @@ class Args(ctypes.Structure):
         ("pipeline_depth", ctypes.c_int32),
         ("tokens_per_tile", ctypes.c_int32),
         ("v_loop", ctypes.c_int32),
+        ("lanes_per_thread", ctypes.c_int32),
     ]
 
 

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
+from codegen.layout import max_lanes_per_thread
+
 from . import dispatch, reference, tuning
 from .abi import Args, CacheArg
 from .registry import REGISTRY
@@ -84,7 +86,8 @@ def _args(plan: _Plan, t: reference.Tensors, launch: tuning.Launch) -> Args:
              num_slots=t.slot_mapping.numel(),
              num_index_slots=t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0,
              num_tokens=t.qkv.shape[0], num_heads=t.num_heads, num_index_heads=t.num_index_heads,
-             eps=t.eps, pipeline_depth=launch.depth, tokens_per_tile=launch.tile, v_loop=launch.v_loop)
+             eps=t.eps, pipeline_depth=launch.depth, tokens_per_tile=launch.tile, v_loop=launch.v_loop,
+             lanes_per_thread=launch.lanes)
     for field, name in _POINTERS:
         setattr(a, field, ptr(getattr(t, name)))
     for field, role in _CACHES:
@@ -144,9 +147,9 @@ def _prepared(variant, t: reference.Tensors,
 def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **kwargs) -> Callable[[], None]:
     """For the tuner and the tests: validate a GPU call once and return a function that
     launches it as `launch` says (pipeline depth 1..KVF_MAX_PIPELINE_DEPTH, tokens per
-    tile a power of two up to KVF_MAX_TOKENS_PER_TILE, KVF_V_LOOP_*; 0: the default), on the
-    current stream, with the variant's library as `toolchain` builds it (default: the
-    runtime's)."""
+    tile a power of two up to KVF_MAX_TOKENS_PER_TILE, KVF_V_LOOP_*, head lanes per thread
+    up to the variant's max_lanes_per_thread; 0: the default), on the current stream, with
+    the variant's library as `toolchain` builds it (default: the runtime's)."""
     bad = launch.problems()
     if bad:
         raise ValueError(f"launch_with: {'; '.join(bad)}")
@@ -154,6 +157,10 @@ def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **
         raise ValueError("q_out: launch_with needs the outputs allocated")
     params = inspect.signature(fused_qknorm_rope_cache).parameters
     variant, t = check(**{name: kwargs.get(name, params[name].default) for name in _ARG_NAMES})
+    most = max_lanes_per_thread(variant.head_dim, variant.rotary_dim)
+    if launch.lanes > most:
+        raise ValueError(f"launch_with: lanes must be at most {most} for {variant.uri} "
+                         f"(rotary halves not 8-aligned, or one lane per head), got {launch.lanes}")
     plan, a, device_index = _prepared(variant, t, launch)
     lib = REGISTRY.get(variant, toolchain) if toolchain else plan.lib
     return functools.partial(_launch, lib.launch, a, device_index)

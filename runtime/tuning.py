@@ -1,22 +1,25 @@
-"""Tuned launch choices: the main loop's pipeline depth and token tile, and where a
-transposed V is written, per variant and token range.
+"""Tuned launch choices: the main loop's pipeline depth, token tile and head lanes per
+thread, and where a transposed V is written, per variant and token range.
 
 Which launch is fastest depends on the shape: a deeper pipeline (cos/sin loaded a token
 ahead) hides more memory latency on long runs of tokens but costs registers and a longer
 start on short ones; two or four tokens per tile make a head's stores of them one
 instruction (whole sectors for SHUFFLE's K) and, at four, keep a warp to one role, but
-leave lanes idle on a call of fewer tokens and spread fewer tiles over the SMs;
-SHUFFLE's V loop stores whole 16-byte runs but is a second trip to memory after the main
-loop, which pays only once the call is long enough. `benchmarks/tune.py` times every
-depth a library holds (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up
-to KVF_MAX_TOKENS_PER_TILE), and for a transposed V both places, on the GPU and writes
+leave lanes idle on a call of fewer tokens and spread fewer tiles over the SMs; two head
+lanes per thread spend a thread's per-token work (addresses, position, reciprocal, loop)
+on twice the bytes but keep half the threads in flight; SHUFFLE's V loop stores whole
+16-byte runs but is a second trip to memory after the main loop, which pays only once the
+call is long enough. `benchmarks/tune.py` times every depth a library holds
+(1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
+KVF_MAX_TOKENS_PER_TILE), every lane count the variant has (1..its
+max_lanes_per_thread), and for a transposed V both places, on the GPU and writes
 tuning/<name>.json; the runtime only reads those files, so nothing is tuned at run time.
 A device or variant without an entry gets 0 for each, the library's defaults.
 
 File format: {"device": "<torch.cuda.get_device_name()>", "abi": KVF_ABI_VERSION,
-"command": "...", "choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop], ...,
-[null, depth, tile, v_loop]]}}, ranges ascending, the last one open; v_loop is
-KVF_V_LOOP_OFF (1) or _ON (2) where V is transposed, else 0. A table is read only by
+"command": "...", "choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop, lanes],
+..., [null, depth, tile, v_loop, lanes]]}}, ranges ascending, the last one open; v_loop
+is KVF_V_LOOP_OFF (1) or _ON (2) where V is transposed, else 0. A table is read only by
 the ABI it was tuned for: what a launch field means may change with it.
 """
 from __future__ import annotations
@@ -29,8 +32,9 @@ from typing import NamedTuple, Optional
 
 from codegen.paths import TUNED
 
-from .abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH,
-                  TOKENS_PER_TILE, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
+from .abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
+                  MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS,
+                  V_LOOP_OFF, V_LOOP_ON)
 
 
 class Launch(NamedTuple):
@@ -38,6 +42,7 @@ class Launch(NamedTuple):
     depth: int
     tile: int
     v_loop: int  # KVF_V_LOOP_*: where a transposed V is written
+    lanes: int = 0  # head lanes per main-loop thread (kvf_args_t::lanes_per_thread)
 
     def resolved(self, tokens: int, v_transposed: bool) -> "Launch":
         """What the library runs for a call of `tokens` tokens: defaults filled in as
@@ -47,11 +52,13 @@ class Launch(NamedTuple):
         v_loop = V_LOOP_DEFAULT
         if v_transposed:
             v_loop = self.v_loop or (V_LOOP_ON if tokens >= V_LOOP_MIN_TOKENS else V_LOOP_OFF)
-        return Launch(self.depth or DEFAULT_PIPELINE_DEPTH, self.tile or DEFAULT_TOKENS_PER_TILE, v_loop)
+        return Launch(self.depth or DEFAULT_PIPELINE_DEPTH, self.tile or DEFAULT_TOKENS_PER_TILE, v_loop,
+                      self.lanes or DEFAULT_LANES_PER_THREAD)
 
     def problems(self) -> list[str]:
         """Fields outside what a library accepts (0 is the default for each)."""
-        accepted = (range(MAX_PIPELINE_DEPTH + 1), (0, *TOKENS_PER_TILE), range(V_LOOP_ON + 1))
+        accepted = (range(MAX_PIPELINE_DEPTH + 1), (0, *TOKENS_PER_TILE), range(V_LOOP_ON + 1),
+                    range(MAX_LANES_PER_THREAD + 1))
         return [f"{name} must be {_allowed(ok)}, got {value!r}" for name, value, ok in zip(self._fields, self, accepted)
                 if type(value) is not int or value not in ok]
 
@@ -64,7 +71,7 @@ def _allowed(values) -> str:
     return f"0..{values[-1]}" if isinstance(values, range) else f"one of {_listed(values)}"
 
 
-DEFAULT = Launch(0, 0, V_LOOP_DEFAULT)
+DEFAULT = Launch(0, 0, V_LOOP_DEFAULT, 0)
 Ranges = tuple[tuple[Optional[int], Launch], ...]  # ((max_tokens or None, launch), ...)
 
 
@@ -103,15 +110,15 @@ def parse(data, where: str) -> Table:
     out: dict[str, Ranges] = {}
     for uri, ranges in choices.items():
         if not isinstance(ranges, list) or not ranges:
-            raise TuningError(f"{where}: {uri}: expected a list of [max_tokens, depth, tile, v_loop] entries")
+            raise TuningError(f"{where}: {uri}: expected a list of [max_tokens, depth, tile, v_loop, lanes] entries")
         parsed, last = [], 0
         for i, item in enumerate(ranges):
-            ok = isinstance(item, list) and len(item) == 4
-            upto, depth, tile, v_loop = item if ok else (None, None, None, None)
+            ok = isinstance(item, list) and len(item) == 5
+            upto, depth, tile, v_loop, lanes = item if ok else (None,) * 5
             open_end = upto is None and i == len(ranges) - 1
             if not ok or not (open_end or (type(upto) is int and upto > last)):
-                raise TuningError(f"{where}: {uri}: range {i}: expected [max_tokens > {last}, depth, tile, v_loop] "
-                                  f"(max_tokens null only in the last), got {item!r}")
+                raise TuningError(f"{where}: {uri}: range {i}: expected [max_tokens > {last}, depth, tile, v_loop, "
+                                  f"lanes] (max_tokens null only in the last), got {item!r}")
             if type(depth) is not int or not 1 <= depth <= MAX_PIPELINE_DEPTH:
                 raise TuningError(f"{where}: {uri}: range {i}: depth must be 1..{MAX_PIPELINE_DEPTH}, "
                                   f"got {depth!r}")
@@ -121,7 +128,10 @@ def parse(data, where: str) -> Table:
             if type(v_loop) is not int or not V_LOOP_DEFAULT <= v_loop <= V_LOOP_ON:
                 raise TuningError(f"{where}: {uri}: range {i}: v_loop must be {V_LOOP_DEFAULT} (default), "
                                   f"{V_LOOP_OFF} (off) or {V_LOOP_ON} (on), got {v_loop!r}")
-            parsed.append((upto, Launch(depth, tile, v_loop)))
+            if type(lanes) is not int or not 1 <= lanes <= MAX_LANES_PER_THREAD:
+                raise TuningError(f"{where}: {uri}: range {i}: lanes must be 1..{MAX_LANES_PER_THREAD}, "
+                                  f"got {lanes!r}")
+            parsed.append((upto, Launch(depth, tile, v_loop, lanes)))
             last = upto if upto is not None else last
         out[uri] = tuple(parsed)
     return Table(device=data["device"], choices=out)

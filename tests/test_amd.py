@@ -6,6 +6,7 @@ import subprocess
 import pytest
 
 from benchmarks.bench import COPY_SOURCE
+from codegen.layout import max_lanes_per_thread
 from runtime import build, toolchain
 from runtime.abi import MAX_PIPELINE_DEPTH
 from runtime.registry import source_of, spec
@@ -68,9 +69,11 @@ def test_every_variant_compiles(assembly):
 
 def test_waves_are_64_lanes_and_nothing_spills_to_scratch(assembly):
     _, asm = assembly
+    by_uri = {v.uri: v for v in VARIANTS}
     for uri, text in asm.items():
-        # one kernel per pipeline depth the library holds
-        assert kernel_metadata(text, "wavefront_size") == ["64"] * MAX_PIPELINE_DEPTH, uri
+        # one kernel per pipeline depth and lane count the library holds
+        kernels = MAX_PIPELINE_DEPTH * max_lanes_per_thread(by_uri[uri].head_dim, by_uri[uri].rotary_dim)
+        assert kernel_metadata(text, "wavefront_size") == ["64"] * kernels, uri
         # No scratch traffic. (A small private segment alone can be the slot LLVM reserves
         # for its register scavenger once SGPRs spill into VGPR lanes; it is never touched.)
         assert not re.search(r"^\s*(scratch_|buffer_)(load|store)", text, flags=re.M), f"{uri} uses scratch"

@@ -31,19 +31,26 @@ CASES = [
 
 
 # Every launch configuration a tuned table may pick for each variant (the tuner's list:
-# depths, tiles and, where V is transposed, V in the main loop and in the V loop).
-VARIANT_LAUNCHES = [pytest.param(v, launch, id=f"{v.uri}-depth{launch.depth}-tile{launch.tile}-vloop{launch.v_loop}")
-                    for v in VARIANTS for launch in launches(v)]
+# depths, tiles, lanes per thread and, where V is transposed, V in the main loop and in
+# the V loop).
+def _launch_param(v, launch):
+    return pytest.param(v, launch, id=f"{v.uri}-depth{launch.depth}-tile{launch.tile}-vloop{launch.v_loop}"
+                                      f"-lanes{launch.lanes}")
+
+
+VARIANT_LAUNCHES = [_launch_param(v, launch) for v in VARIANTS for launch in launches(v)]
 # Calls every launch configuration runs: (tokens, q heads, slots, padded tokens,
-# slot-mapping length). Two run a thread's pipeline through several tokens, each launch's
-# grid being one wave (an H200 holds 3 x 132 blocks of 256 threads): 3999 tokens of 8 q
-# heads are at least two passes for every head_dim (at most ~1700 tokens per pass); 200
-# decode tokens of 64 q heads (168-194 per pass at head_dim 128, fewer above; one pass at
-# 64). A SHUFFLE V goes both ways in each: in the main loop a thread's second token reuses
-# the row its group stages V through, the V loop meets prefill runs and decode's scattered
-# slots. 11 decode tokens of 64 q heads fill fewer blocks of 256 than an H200 has SMs, so
-# the launch takes smaller blocks (64 threads at head_dim 64 and 128; few enough that
-# blocks of 64 still number fewer than the SMs).
+# slot-mapping length). 3999 tokens of 8 q heads run a thread's pipeline through several
+# tokens, each launch's grid being one wave (an H200 holds 3 x 132 blocks of 256 threads of
+# one lane, 4 x 132 of 128 threads of two): at least two passes for every head_dim and lane
+# count (at most ~1800 tokens per pass). 200 decode tokens of 64 q heads are several passes
+# at one lane per thread (168-194 per pass at head_dim 128, fewer above; one pass at 64) and
+# one at two. A SHUFFLE V goes both ways in each:
+# in the main loop a thread's second token reuses the row its group stages V through, the V
+# loop meets prefill runs and decode's scattered slots. 11 decode tokens of 64 q heads fill
+# fewer blocks of 256 than an H200 has SMs, so a launch of one lane per thread takes smaller
+# blocks (64 threads at head_dim 64 and 128; few enough that blocks of 64 still number
+# fewer than the SMs).
 LAUNCH_CALLS = [pytest.param(3999, 8, "prefill", 7, 3990, id="t3999-prefill"),
                 pytest.param(201, 64, "decode", 5, 198, id="t201-tp1-decode"),
                 pytest.param(11, 64, "decode", 2, 9, id="t11-tp1-decode-small-blocks")]
@@ -100,8 +107,14 @@ def register_pipeline():
     return tc
 
 
+# AMD's pipeline at two lanes per thread: its row FIFO holds four chunks instead of two, the
+# same code at every tile, so one tile (every depth and V place).
+REGISTER_LAUNCHES = [_launch_param(v, launch) for v in VARIANTS for launch in launches(v)
+                     if launch.lanes == 1 or launch.tile == 2]
+
+
 @pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", LAUNCH_CALLS)
-@pytest.mark.parametrize("variant,launch", VARIANT_LAUNCHES)
+@pytest.mark.parametrize("variant,launch", REGISTER_LAUNCHES)
 def test_register_pipeline_matches_reference(variant, launch, tokens, nq, slots, pad, num_slots,
                                              register_pipeline):
     """AMD's pipeline, run on the calls above (several tokens per thread, small blocks):
@@ -113,6 +126,15 @@ def test_register_pipeline_matches_reference(variant, launch, tokens, nq, slots,
                        cos_sin="random", num_slots=num_slots)
     check_against_reference(args, lambda **a: launch_with(launch, register_pipeline, **a)(),
                             ref_device="cuda")
+
+
+def test_two_lanes_per_thread_are_refused_where_the_variant_has_one():
+    """rotary_dim 36: its halves of 18 dims are not whole chunks, so a lane exchanges
+    partners with its neighbours and holds no second lane."""
+    v = next(v for v in VARIANTS if v.rotary_dim == 36)
+    args = make_inputs(v, 4, 8, 2, slots="decode", device="cuda", seed=3)
+    with pytest.raises(ValueError, match=rf"^launch_with: lanes must be at most 1 for {v.uri} "):
+        launch_with(Launch(1, 2, 0, 2), **with_outputs(args))
 
 
 def _seed_variant(**axes):

@@ -29,4 +29,4 @@ def test_a_record_without_the_same_bytes_copy_renders_a_dash(tmp_path):
     assert len(rows) == 1, rows
     row = rows[0]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[10:12] == ["–", "–"], row
+    assert cells[11:13] == ["–", "–"], row

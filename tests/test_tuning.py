@@ -6,8 +6,10 @@ import pytest
 from benchmarks.tune import choose, launches, ranges, v_place
 from codegen.layout import v_transposed
 from codegen.paths import TUNED
-from runtime.abi import (ABI_VERSION, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, MAX_PIPELINE_DEPTH,
-                         V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
+from codegen.layout import max_lanes_per_thread
+from runtime.abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
+                         MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF,
+                         V_LOOP_ON)
 from runtime.registry import spec
 from runtime.tuning import DEFAULT, Launch, TuningError, load, parse, pick, table_for
 
@@ -17,25 +19,28 @@ def table(choices):
 
 
 def test_pick_walks_the_ranges_and_defaults_to_zero():
-    a, b = Launch(1, 1, 1), Launch(2, 2, 2)
+    a, b = Launch(1, 1, 1, 1), Launch(2, 2, 2, 2)
     r = ((3, a), (100, b), (None, a))
     assert [pick(r, t) for t in (1, 3, 4, 100, 101, 10 ** 9)] == [a, a, b, b, a, a]
-    assert pick((), 5) == DEFAULT == (0, 0, 0) and pick(((10, b),), 11) == DEFAULT
+    assert pick((), 5) == DEFAULT == (0, 0, 0, 0) and pick(((10, b),), 11) == DEFAULT
 
 
 @pytest.mark.parametrize("choices,message", [
-    ({"v": []}, "v: expected a list of [max_tokens, depth, tile, v_loop] entries"),
-    ({"v": [[None, 1, 1, 0], [None, 2, 1, 0]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop] (max_tokens null only in the last), got [None, 1, 1, 0]"),
-    ({"v": [[8, 1, 1, 0], [8, 2, 1, 0]]}, "v: range 1: expected [max_tokens > 8, depth, tile, v_loop]"),
-    ({"v": [[8, 1, 2]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop] (max_tokens null only in the last), got [8, 1, 2]"),
-    ({"v": [[8, 0, 1, 0]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got 0"),
-    ({"v": [[8, True, 1, 0]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got True"),
-    ({"v": [[8, 1, 0, 0]]}, "v: range 0: tile must be one of 1, 2, 4, got 0"),
-    ({"v": [[8, 1, 3, 0]]}, "v: range 0: tile must be one of 1, 2, 4, got 3"),
-    ({"v": [[8, 1, 8, 0]]}, "v: range 0: tile must be one of 1, 2, 4, got 8"),
-    ({"v": [[8, 1, 1, 3]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got 3"),
-    ({"v": [[8, 1, 1, None]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got None"),
-    ({"v": [["8", 1, 1, 0]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop]"),
+    ({"v": []}, "v: expected a list of [max_tokens, depth, tile, v_loop, lanes] entries"),
+    ({"v": [[None, 1, 1, 0, 1], [None, 2, 1, 0, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop, lanes] (max_tokens null only in the last), got [None, 1, 1, 0, 1]"),
+    ({"v": [[8, 1, 1, 0, 1], [8, 2, 1, 0, 1]]}, "v: range 1: expected [max_tokens > 8, depth, tile, v_loop, lanes]"),
+    ({"v": [[8, 1, 2, 0]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop, lanes] (max_tokens null only in the last), got [8, 1, 2, 0]"),
+    ({"v": [[8, 0, 1, 0, 1]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got 0"),
+    ({"v": [[8, True, 1, 0, 1]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got True"),
+    ({"v": [[8, 1, 0, 0, 1]]}, "v: range 0: tile must be one of 1, 2, 4, got 0"),
+    ({"v": [[8, 1, 3, 0, 1]]}, "v: range 0: tile must be one of 1, 2, 4, got 3"),
+    ({"v": [[8, 1, 8, 0, 1]]}, "v: range 0: tile must be one of 1, 2, 4, got 8"),
+    ({"v": [[8, 1, 1, 3, 1]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got 3"),
+    ({"v": [[8, 1, 1, None, 1]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got None"),
+    ({"v": [[8, 1, 1, 0, 0]]}, f"v: range 0: lanes must be 1..{MAX_LANES_PER_THREAD}, got 0"),
+    ({"v": [[8, 1, 1, 0, 3]]}, f"v: range 0: lanes must be 1..{MAX_LANES_PER_THREAD}, got 3"),
+    ({"v": [[8, 1, 1, 0, 2.0]]}, f"v: range 0: lanes must be 1..{MAX_LANES_PER_THREAD}, got 2.0"),
+    ({"v": [["8", 1, 1, 0, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop, lanes]"),
 ])
 def test_bad_tables_are_refused_with_the_entry_named(choices, message):
     with pytest.raises(TuningError) as e:
@@ -48,7 +53,7 @@ def test_bad_tables_are_refused_with_the_entry_named(choices, message):
                                        (str(ABI_VERSION), f"was tuned for ABI '{ABI_VERSION}'"),
                                        (True, "was tuned for ABI True")])
 def test_a_table_tuned_for_another_abi_is_refused(abi, found):
-    data = {k: v for k, v in table({"v": [[None, 1, 1, 0]]}).items() if k != "abi" or abi is not None}
+    data = {k: v for k, v in table({"v": [[None, 1, 1, 0, 1]]}).items() if k != "abi" or abi is not None}
     if abi is not None:
         data["abi"] = abi
     with pytest.raises(TuningError) as e:
@@ -65,10 +70,10 @@ def test_a_file_that_is_not_json_names_its_line(tmp_path):
 
 
 def test_the_table_is_found_by_device_name(tmp_path):
-    (tmp_path / "a.json").write_text(json.dumps(table({"v": [[16, 1, 1, 1], [None, 2, 2, 2]]})))
-    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "abi": ABI_VERSION, "choices": {"v": [[0, 9, 1, 0]]}}))
+    (tmp_path / "a.json").write_text(json.dumps(table({"v": [[16, 1, 1, 1, 1], [None, 2, 2, 2, 2]]})))
+    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "abi": ABI_VERSION, "choices": {"v": [[0, 9, 1, 0, 1]]}}))
     t = table_for("GPU X", tmp_path)  # b.json is broken, but for another GPU
-    assert t.launch("v", 16) == (1, 1, 1) and t.launch("v", 17) == (2, 2, 2) and t.launch("other", 1) == DEFAULT
+    assert t.launch("v", 16) == (1, 1, 1, 1) and t.launch("v", 17) == (2, 2, 2, 2) and t.launch("other", 1) == DEFAULT
     assert table_for("GPU Y", tmp_path) is None
     with pytest.raises(TuningError, match="b.json: v: range 0"):
         table_for("GPU Z", tmp_path)
@@ -76,7 +81,7 @@ def test_the_table_is_found_by_device_name(tmp_path):
 
 def test_two_tables_for_one_device_are_an_error(tmp_path):
     for name in ("a", "b"):
-        (tmp_path / f"{name}.json").write_text(json.dumps(table({"v": [[None, 2, 2, 0]]})))
+        (tmp_path / f"{name}.json").write_text(json.dumps(table({"v": [[None, 2, 2, 0, 1]]})))
     with pytest.raises(TuningError, match=r"a.json, b.json all tune 'GPU X'; keep one"):
         table_for("GPU X", tmp_path)
 
@@ -91,12 +96,12 @@ def test_the_tuner_keeps_the_default_unless_another_launch_is_clearly_faster():
 def test_defaults_resolve_as_the_library_does():
     """The library's V loop from KVF_V_LOOP_MIN_TOKENS tokens, where V is transposed; a
     V that is not has no V loop to name."""
-    depth, tile = DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE
-    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS - 1, True) == (depth, tile, V_LOOP_OFF)
-    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, True) == (depth, tile, V_LOOP_ON)
-    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, False) == (depth, tile, V_LOOP_DEFAULT)
-    assert Launch(2, 1, V_LOOP_OFF).resolved(10 ** 6, True) == (2, 1, V_LOOP_OFF)
-    assert Launch(2, 1, V_LOOP_ON).resolved(1, False) == (2, 1, V_LOOP_DEFAULT)
+    depth, tile, lanes = DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, DEFAULT_LANES_PER_THREAD
+    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS - 1, True) == (depth, tile, V_LOOP_OFF, lanes)
+    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, True) == (depth, tile, V_LOOP_ON, lanes)
+    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, False) == (depth, tile, V_LOOP_DEFAULT, lanes)
+    assert Launch(2, 1, V_LOOP_OFF, 2).resolved(10 ** 6, True) == (2, 1, V_LOOP_OFF, 2)
+    assert Launch(2, 1, V_LOOP_ON).resolved(1, False) == (2, 1, V_LOOP_DEFAULT, lanes)
 
 
 def test_launch_with_refuses_a_launch_the_library_would_not_take():
@@ -106,26 +111,44 @@ def test_launch_with_refuses_a_launch_the_library_would_not_take():
         launch_with(Launch(9, 1, -1))
     with pytest.raises(ValueError, match=r"^launch_with: tile must be one of 0, 1, 2, 4, got 3$"):
         launch_with(Launch(1, 3, 0))
+    with pytest.raises(ValueError, match=rf"^launch_with: lanes must be 0\.\.{MAX_LANES_PER_THREAD}, got 3$"):
+        launch_with(Launch(1, 1, 0, 3))
 
 
 def test_the_tuner_times_both_v_places_only_where_v_is_transposed():
     by_transposed = {}
     for v in spec().variants:
         by_transposed.setdefault(v_transposed(v), v)
-    assert {p for *_, p in launches(by_transposed[True])} == {V_LOOP_OFF, V_LOOP_ON}
-    assert {p for *_, p in launches(by_transposed[False])} == {V_LOOP_DEFAULT}
-    assert {(d, t) for d, t, _ in launches(by_transposed[True])} == \
+    assert {p for *_, p, _ in launches(by_transposed[True])} == {V_LOOP_OFF, V_LOOP_ON}
+    assert {p for *_, p, _ in launches(by_transposed[False])} == {V_LOOP_DEFAULT}
+    assert {(d, t) for d, t, *_ in launches(by_transposed[True])} == \
         {(d, t) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in (1, 2, 4)}
-    assert len(launches(by_transposed[True])) == 2 * MAX_PIPELINE_DEPTH * 3
+    assert len(launches(by_transposed[True])) == 2 * MAX_PIPELINE_DEPTH * 3 * MAX_LANES_PER_THREAD
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim,most", [(128, 64, 2), (128, 128, 2), (128, 48, 2), (128, 40, 1),
+                                                      (128, 36, 1), (64, 32, 2), (32, 16, 2), (16, 16, 1)])
+def test_two_lanes_per_thread_only_where_a_lane_rotates_alone(head_dim, rotary_dim, most):
+    """A thread of two lanes holds lanes LANES / 2 apart, each rotating its own chunks: the
+    rotary halves must be 8-aligned (40's halves of 20 are not) and a head two lanes or more."""
+    assert max_lanes_per_thread(head_dim, rotary_dim) == most
+
+
+def test_the_tuner_times_every_lane_count_a_variant_has():
+    for v in spec().variants:
+        most = max_lanes_per_thread(v.head_dim, v.rotary_dim)
+        assert {n for *_, n in launches(v)} == set(range(1, most + 1)), v.uri
+    assert {max_lanes_per_thread(v.head_dim, v.rotary_dim) for v in spec().variants} == {1, 2}
 
 
 def test_the_tuner_splits_ranges_between_measured_counts_and_merges_equal_ones():
-    a, b, c = Launch(1, 1, 0), Launch(2, 2, 0), Launch(2, 1, 0)
-    assert ranges([(1, a), (16, a), (128, b), (1024, b)]) == [[45, 1, 1, 0], [None, 2, 2, 0]]
-    assert ranges([(1, a), (16, c), (128, c)]) == [[4, 1, 1, 0], [None, 2, 1, 0]]
-    assert ranges([(1, b)]) == [[None, 2, 2, 0]]
-    off, on = Launch(1, 2, 1), Launch(1, 2, 2)
-    assert ranges([(1024, off), (8192, on)]) == [[2896, 1, 2, 1], [None, 1, 2, 2]]
+    a, b, c = Launch(1, 1, 0, 1), Launch(2, 2, 0, 1), Launch(2, 1, 0, 1)
+    assert ranges([(1, a), (16, a), (128, b), (1024, b)]) == [[45, 1, 1, 0, 1], [None, 2, 2, 0, 1]]
+    assert ranges([(1, a), (16, c), (128, c)]) == [[4, 1, 1, 0, 1], [None, 2, 1, 0, 1]]
+    assert ranges([(1, b)]) == [[None, 2, 2, 0, 1]]
+    off, on, two = Launch(1, 2, 1, 1), Launch(1, 2, 2, 1), Launch(1, 2, 2, 2)
+    assert ranges([(1024, off), (8192, on), (32768, two)]) == [[2896, 1, 2, 1, 1], [16384, 1, 2, 2, 1],
+                                                                [None, 1, 2, 2, 2]]
 
 
 def test_the_v_place_is_the_one_with_the_smaller_worse_slowdown_over_both_slot_patterns():
@@ -151,7 +174,7 @@ def test_the_tuner_resumes_a_run_cut_short_and_retimes_what_was_rebuilt(tmp_path
         timed.append(v.uri)
         if len(timed) == cut_at[0]:
             raise KeyboardInterrupt  # the device call's time ran out
-        return [[None, 1, 2, V_LOOP_OFF if v_transposed(v) else V_LOOP_DEFAULT]], {"1": {}}
+        return [[None, 1, 2, V_LOOP_OFF if v_transposed(v) else V_LOOP_DEFAULT, 1]], {"1": {}}
 
     monkeypatch.setattr(tune, "tune_variant", tune_variant)
     argv = ["tune.py", "--out", str(tmp_path), "--tokens", "1"]
@@ -177,14 +200,17 @@ def test_the_tuner_resumes_a_run_cut_short_and_retimes_what_was_rebuilt(tmp_path
 
 
 def test_stored_tables_load_and_name_listed_variants():
-    """...and name a V place (1 or 2) exactly where the variant's V is transposed."""
+    """...and name a V place (1 or 2) exactly where the variant's V is transposed, and
+    no more lanes per thread than the variant has."""
     variants = {v.uri: v for v in spec().variants}
     for path in sorted(TUNED.glob("*.json")):
         t = load(path)
         assert set(t.choices) <= set(variants), path
         for uri, entries in t.choices.items():
+            v = variants[uri]
             places = {launch.v_loop for _, launch in entries}
-            assert places <= ({V_LOOP_OFF, V_LOOP_ON} if v_transposed(variants[uri]) else {V_LOOP_DEFAULT}), uri
+            assert places <= ({V_LOOP_OFF, V_LOOP_ON} if v_transposed(v) else {V_LOOP_DEFAULT}), uri
+            assert max(launch.lanes for _, launch in entries) <= max_lanes_per_thread(v.head_dim, v.rotary_dim), uri
 
 
 def test_the_scripts_build_their_rotating_input_sets():

@@ -4,13 +4,16 @@
 
 #include <stdint.h>
 
-#define KVF_ABI_VERSION 6
+#define KVF_ABI_VERSION 7
 #define KVF_MAX_DIMS 8
 #define KVF_MAX_PIPELINE_DEPTH 2      // a library holds the main loop at depths 1..this (see pipeline_depth)
 #define KVF_DEFAULT_PIPELINE_DEPTH 1  // the depth a call naming 0 gets
 #define KVF_MAX_TOKENS_PER_TILE 4     // tokens whose head lanes a tile sets side by side: a power
                                       // of two up to this
 #define KVF_DEFAULT_TOKENS_PER_TILE 2  // what a call naming 0 gets
+#define KVF_MAX_LANES_PER_THREAD 2     // head lanes (32 bytes of a head per token each) a main-loop
+                                       // thread holds: 1..this, where the variant has them
+#define KVF_DEFAULT_LANES_PER_THREAD 1  // what a call naming 0 gets
 // Where a transposed V (SHUFFLE) is written: by the main loop's lanes of each token, or by
 // the V loop that runs after it (tokens grouped into 16-byte runs). A call naming
 // KVF_V_LOOP_DEFAULT gets the V loop from KVF_V_LOOP_MIN_TOKENS tokens on.
@@ -57,8 +60,11 @@ typedef struct {
   int32_t pipeline_depth;           // 1..KVF_MAX_PIPELINE_DEPTH (0 = default): positions and slots
                                     // are loaded this many tokens ahead, cos/sin one fewer;
                                     // a call of one pass (a thread has one token) runs at 1
-  int32_t tokens_per_tile;          // 1, 2 .. KVF_MAX_TOKENS_PER_TILE (powers of two); 0 = default
+  int32_t tokens_per_tile;          // 1, 2 .. KVF_MAX_TOKENS_PER_TILE (powers of two); 0 = default.
+                                    // A tile holds this many tokens times lanes_per_thread
   int32_t v_loop;                   // KVF_V_LOOP_*; ignored where V is not transposed
+  int32_t lanes_per_thread;         // 1..KVF_MAX_LANES_PER_THREAD (0 = default), at most the
+                                    // variant's Traits::kMaxLanesPerThread; else the launch fails
 } kvf_args_t;
 
 #ifdef __cplusplus

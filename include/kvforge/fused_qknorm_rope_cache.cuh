@@ -6,9 +6,10 @@
 // layout analysis in codegen/layout.py.
 //
 // Work split: a main-loop lane holds two 16-byte chunks of one head (a chunk and its
-// RoPE partner where the rotary halves allow), so one head of D dims is D/16 adjacent
-// lanes ("a group"); groups never straddle a warp or wave, so the RMSNorm reduction is
-// a shuffle butterfly inside the group. Tokens go to threads in tiles of one, two or
+// RoPE partner where the rotary halves allow), so one head of D dims is D/16 lanes, held
+// by as many adjacent threads ("a group") or, at two lanes per thread (tuned), half as
+// many; groups never straddle a warp or wave, so the RMSNorm reduction is a shuffle
+// butterfly inside the group. Tokens go to threads in tiles of one, two or
 // four (tuned), the tile's groups of each head side by side. A main-loop thread keeps one
 // head lane for every token it visits and requests the next token's rows (RowPipe)
 // while computing the current. V of a layout that scatters one token's dims (SHUFFLE)
@@ -31,14 +32,29 @@ enum class IndexMode { Full, Skip, None };
 enum class Scale { None, Unit, PerTensor, PerHead };
 
 constexpr int kVec = 8;       // model-dtype elements per chunk (16 bytes); a lane holds two
+// Head lanes per block: a kernel whose threads hold kSub lanes each (1 or 2, see
+// Fused::main_loop) has kBlock / kSub threads, so its shared memory is the same.
 constexpr int kBlock = 256;
-// Resident blocks per SM the register cap keeps: three of 256 threads (80 registers) at
-// every pipeline depth. A thread has few bytes in flight, so the SM needs many threads;
-// the cap spills a few words (FP8 KV at head_dim 128: 12-24 bytes) and more at depth 2
-// with fp32 cos/sin (132 bytes), where the tuner then keeps depth 1, or FP8 KV at
-// head_dim 64 (204 bytes; untuned, so depth 1). Two blocks (128 registers) were
-// 4-8% slower at 8192+ tokens for depth 1 of the fp32 cos/sin variants (NOTES).
-constexpr int kMinBlocksPerSm = 3;
+template <int kSub>
+constexpr int kThreadsOf = kBlock / kSub;
+// Resident blocks per SM the register cap keeps. One lane per thread: three of 256
+// threads (80 registers) at every pipeline depth. A thread has few bytes in flight, so the
+// SM needs many threads; the cap spills a few words (FP8 KV at head_dim 128: 12-24 bytes)
+// and more at depth 2 with fp32 cos/sin (132 bytes), where the tuner then keeps depth 1,
+// or FP8 KV at head_dim 64 (204 bytes; untuned, so depth 1). Two blocks (128 registers)
+// were 4-8% slower at 8192+ tokens for depth 1 of the fp32 cos/sin variants (NOTES).
+// Two lanes per thread: four blocks of 128 threads (128 registers); in a loop of q's math
+// that held its rows in registers, 512 threads of two lanes were 1.5% faster than 768 with
+// 80 registers (TP1, 1024 tokens; NOTES v6.17). HIP reads the bound as waves per SIMD: 2
+// there is the same 512 threads per CU (256 VGPRs); 4 and 3 spilled AMD's row FIFO of four
+// chunks to scratch on gfx942.
+#ifdef KVF_CUDA
+constexpr int kMinBlocksTwoLanes = 4;
+#else
+constexpr int kMinBlocksTwoLanes = 2;
+#endif
+template <int kSub>
+constexpr int kMinBlocksOf = kSub == 1 ? 3 : kMinBlocksTwoLanes;
 // Rows are requested one token ahead at every depth: two ahead (a ring of three stages)
 // was never more than 1% faster at two blocks per SM, and 23-33% slower at three.
 constexpr int kRowsAhead = 1;
@@ -145,7 +161,7 @@ KVF_DEVICE float scale_of(const float* scale, uint32_t h) {
   else return 1.0f;
 }
 
-// A thread's two 16-byte row chunks per token, requested kAhead tokens ahead of its
+// A thread's 16-byte row chunks per token (two per head lane), requested kAhead tokens ahead of its
 // math: fill(k, ...) loads those of the token k steps ahead (the prologue's k = 0..
 // kAhead-1, then kAhead in each iteration) and close() ends every token's request;
 // front() gives the token being computed, pop() ends its iteration.
@@ -155,44 +171,47 @@ KVF_DEVICE float scale_of(const float* scale, uint32_t h) {
 // copy overtakes a read that matters. Elsewhere (AMD, whose copy into LDS is a load and
 // then a store, so it would wait for each row) they wait in registers, a FIFO shifted
 // at pop(): a load stays in flight through at least one token's math.
-template <int kAhead>
+template <int kAhead, int kSub>
 struct RowPipe {
+  static constexpr int kChunks = 2 * kSub;  // a thread's chunks per token
 #if KVF_ASYNC_COPY
-  using Ring = uint4[kAhead + 1][2][kBlock];  // [stage][chunk][thread]: no bank conflicts
+  // [stage][chunk * threads + thread]: a warp's copies of one chunk land side by side (no
+  // bank conflicts); the same bytes at every kSub (kBlock lanes of two chunks).
+  using Ring = uint4[kAhead + 1][2 * kBlock];
   Ring& ring;
   int put = 0, get = 0;
 
-  KVF_DEVICE void fill(int, const char* p, int64_t gap) {
-    copy_async16(&ring[put][0][threadIdx.x], p);
-    copy_async16(&ring[put][1][threadIdx.x], p + gap);
+  KVF_DEVICE void fill(int, const char* p, const int (&at)[kChunks]) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) copy_async16(&ring[put][c * kThreadsOf<kSub> + threadIdx.x], p + at[c]);
   }
   KVF_DEVICE void close() {
     async_commit();  // one group per token, filled or not, so the waits count tokens
     put = put + 1 == kAhead + 1 ? 0 : put + 1;
   }
-  KVF_DEVICE void front(uint4 (&x)[2]) {
+  KVF_DEVICE void front(uint4 (&x)[kChunks]) {
     async_wait<kAhead>();  // this token's group has landed
-    x[0] = ring[get][0][threadIdx.x];
-    x[1] = ring[get][1][threadIdx.x];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) x[c] = ring[get][c * kThreadsOf<kSub> + threadIdx.x];
   }
   KVF_DEVICE void pop() { get = get + 1 == kAhead + 1 ? 0 : get + 1; }
 #else
-  uint4 fifo[kAhead + 1][2];  // fifo[k]: the token k steps ahead of the one computed
+  uint4 fifo[kAhead + 1][kChunks];  // fifo[k]: the token k steps ahead of the one computed
 
-  KVF_DEVICE void fill(int k, const char* p, int64_t gap) {
-    fifo[k][0] = *reinterpret_cast<const uint4*>(p);
-    fifo[k][1] = *reinterpret_cast<const uint4*>(p + gap);
+  KVF_DEVICE void fill(int k, const char* p, const int (&at)[kChunks]) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) fifo[k][c] = *reinterpret_cast<const uint4*>(p + at[c]);
   }
   KVF_DEVICE void close() {}
-  KVF_DEVICE void front(uint4 (&x)[2]) {
-    x[0] = fifo[0][0];
-    x[1] = fifo[0][1];
+  KVF_DEVICE void front(uint4 (&x)[kChunks]) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) x[c] = fifo[0][c];
   }
   KVF_DEVICE void pop() {
 #pragma unroll
     for (int k = 0; k < kAhead; ++k) {
-      fifo[k][0] = fifo[k + 1][0];
-      fifo[k][1] = fifo[k + 1][1];
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) fifo[k][c] = fifo[k + 1][c];
     }
   }
 #endif
@@ -281,14 +300,38 @@ struct Fused {
     }
   }
 
+  // A main-loop thread holds kSub of its head's lanes (Sub<kSub>; kvf_args_t::
+  // lanes_per_thread, tuned): thread lane l of the head's LN = LANES / kSub holds lanes
+  // l + s * LN, s < kSub. Sub-lanes s and s + kSub / 2 are the lanes LANES / 2 apart that
+  // the norm's butterfly adds first, so a thread adds them itself and the head's sum of
+  // squares is the same sum, in the same order. Per token, a thread's addresses, position,
+  // slot, reciprocal and loop then serve twice the bytes, for half the threads in flight:
+  // which pays depends on the shape (NOTES v6.17). Two only with aligned halves: the other
+  // rotation exchanges partners between lanes.
+  static constexpr int kMaxSub = VT::kMaxLanesPerThread;  // codegen/layout.py: max_lanes_per_thread
+  static_assert(kMaxSub == 1 || (kMaxSub == 2 && kAlignedHalves && LANES >= 2), "lanes per thread");
+  template <int kSub>
+  struct Sub {
+    static_assert(kSub >= 1 && kSub <= kMaxSub, "lanes per thread");
+    static constexpr int LN = LANES / kSub;       // thread lanes per head
+    static constexpr int kChunks = 2 * kSub;      // a thread's chunks per token
+    // Whether sub-lane s of thread lane l is a rotary lane: known at compile time where the
+    // rotary lanes are whole sub-lanes (half rotary: sub-lane 0 rotates, 1 passes through).
+    static KVF_DEVICE bool rotary(int s, int l) {
+      if constexpr (kRotLanes % LN == 0) return s * LN < kRotLanes;
+      else return s * LN + l < kRotLanes;
+    }
+  };
+
   // NeoX rotation of a lane's normalized chunks n into y: y_i = n_i c_i - n_{i+h} s_i,
   // y_{i+h} = n_{i+h} c_i + n_i s_i, each as one fma of the first product (the reference
-  // rounds the same way). All lanes of the head must call this.
-  static KVF_DEVICE void rope(const CosSinRaw& csr, const void* cs, int64_t pos, int lane,
+  // rounds the same way). All lanes of the head must call this; `rot`: the lane is a
+  // rotary one (aligned halves), `lane`: its index in the head (otherwise).
+  static KVF_DEVICE void rope(const CosSinRaw& csr, const void* cs, int64_t pos, int lane, bool rot,
                               const float (&n)[2][kVec], float (&y)[2][kVec]) {
     if constexpr (kAlignedHalves) {
-      (void)cs; (void)pos;
-      if (lane >= kRotLanes) {
+      (void)cs; (void)pos; (void)lane;
+      if (!rot) {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) { y[0][j] = n[0][j]; y[1][j] = n[1][j]; }
         return;
@@ -304,7 +347,7 @@ struct Fused {
       // Lane l holds dims [16l, 16l + 16). HALF = 16q + r: the partner of element j sits
       // q or q + 1 lanes away, at an element index known at compile time (one exchange
       // for each direction per element). Rare, so cos/sin are read here, value by value.
-      (void)csr;
+      (void)csr; (void)rot;
       constexpr int E = 2 * kVec, kQ = HALF / E, kR = HALF % E;
       auto clamp = [](int l) { return l < 0 ? 0 : (l >= LANES ? LANES - 1 : l); };
       auto elem = [&](int j) { return n[j / kVec][j % kVec]; };
@@ -352,15 +395,17 @@ struct Fused {
   // instruction's lanes would land a chunk (8 vectors) apart, each in its own line; the
   // group instead stages the head's row in shared memory and its lanes write adjacent
   // dims, so each instruction fills whole lines (TP1, 128 decode tokens: 6.4 -> 4.5 us,
-  // NOTES). All lanes of the group call this (one token, one slot).
+  // NOTES). All threads of the group call this (one token, one slot).
+  template <int kSub>
   static KVF_DEVICE void put_v_by_dim(const kvf_cache_t& c, float inv, int64_t slot, uint32_t h, int lane,
-                                      const uint32_t (&d0)[2], const uint4 (&x)[2], const float (&f)[2][kVec]) {
+                                      const uint32_t (&d0)[2 * kSub], const uint4 (&x)[2 * kSub],
+                                      const float (&f)[2 * kSub][kVec]) {
     using C = typename VT::V;
-    constexpr int EB = C::kElemBytes;
-    __shared__ __align__(16) unsigned char rows[kBlock / LANES][kStageBytes];
-    unsigned char* row = rows[threadIdx.x / LANES];
+    constexpr int EB = C::kElemBytes, LN = Sub<kSub>::LN;
+    __shared__ __align__(16) unsigned char rows[kBlock / LANES][kStageBytes];  // a row per head group
+    unsigned char* row = rows[threadIdx.x / LN];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 2 * kSub; ++i) {
       if constexpr (kKvFp8) {
         uint32_t w[2];
         pack_fp8<VT::kFp8, VT::kSaturateKv>(f[i], inv, w);
@@ -370,21 +415,21 @@ struct Fused {
         store_bytes<16>(row + d0[i] * 2, w, 0);
       }
     }
-    group_sync<LANES>();
+    group_sync<LN>();
     const int64_t page = slot / C::kPageSize;
     const uint32_t off = static_cast<uint32_t>(slot % C::kPageSize);
     char* base = static_cast<char*>(c.data);
 #pragma unroll
-    for (int s = 0; s < 2 * kVec; ++s) {
-      const uint32_t d = s * LANES + lane;
+    for (int s = 0; s < D / LN; ++s) {
+      const uint32_t d = s * LN + lane;
       uint32_t v[1];
       v[0] = EB == 1 ? row[d] : *reinterpret_cast<const uint16_t*>(row + 2 * d);
       store_bytes<EB>(base + C::offset(c, page, off, h, d) * EB, v, 0);
     }
-    group_sync<LANES>();  // every read done before the group's next token overwrites the row
+    group_sync<LN>();  // every read done before the group's next token overwrites the row
   }
 
-  // What a main-loop thread is: one lane of one head of the row, the same for every
+  // What a main-loop thread is: its lanes of one head of the row, the same for every
   // token it visits, so its role, dims and branches are settled once.
   struct Role {
     int kind, head;
@@ -417,32 +462,36 @@ struct Fused {
   }
   static KVF_DEVICE float factor_of(float w) { return VT::kGemma ? 1.0f + w : w; }
 
-  // Where a lane finds the norm factors of its dims d0[i] .. d0[i] + 7: the block's copy
-  // in shared memory, or its weight in global memory (calls of one pass, see main_loop).
+  // Where a thread finds the norm factors of its chunks' dims d0[i] .. d0[i] + 7: the
+  // block's copy in shared memory, or its weight in global memory (calls of one pass, see
+  // main_loop).
   struct SharedFactors {
-    const float* f;  // the lane's norm's factors
-    KVF_DEVICE void get(const uint32_t (&d0)[2], int i, float (&w)[kVec]) const {
+    const float* f;  // the thread's norm's factors
+    template <int N>
+    KVF_DEVICE void get(const uint32_t (&d0)[N], int i, float (&w)[kVec]) const {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) w[j] = f[d0[i] + j];
     }
   };
+  template <int N>
   struct GlobalFactors {
-    uint4 raw[2];  // the lane's chunks of its norm weight, loaded when made
-    KVF_DEVICE GlobalFactors(const char* weight, const uint32_t (&d0)[2]) {
-      raw[0] = weight_chunk(weight, d0[0] * 2);
-      raw[1] = weight_chunk(weight, d0[1] * 2);
+    uint4 raw[N];  // the thread's chunks of its norm weight, loaded when made
+    KVF_DEVICE GlobalFactors(const char* weight, const uint32_t (&d0)[N]) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) raw[i] = weight_chunk(weight, d0[i] * 2);
     }
-    KVF_DEVICE void get(const uint32_t (&)[2], int i, float (&w)[kVec]) const {
+    KVF_DEVICE void get(const uint32_t (&)[N], int i, float (&w)[kVec]) const {
       unpack8<M>(raw[i], w);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) w[j] = factor_of(w[j]);
     }
   };
 
-  // One token's position, slot and cos/sin rows for a thread, as loaded (its row chunks
-  // are in the shared-memory ring of main_loop).
+  // One token's position, slot and cos/sin rows (one per sub-lane) for a thread, as
+  // loaded (its row chunks are in the shared-memory ring of main_loop).
+  template <int kSub>
   struct Meta {
-    CosSinRaw cs;
+    CosSinRaw cs[kSub];
     int64_t pos, slot;
   };
 
@@ -481,7 +530,7 @@ struct Fused {
   struct MainSmem {
     float norm_factors[4][D];
 #if KVF_ASYNC_COPY
-    RowPipe<kRowsAhead>::Ring ring;
+    RowPipe<kRowsAhead, 1>::Ring ring;  // the same at every kSub
 #endif
   };
   static constexpr int kStageVecs = kStageVLoop ? kBlock / LPH / kVPair * D : 1;  // [run][dim], v_stage_pos order
@@ -504,23 +553,24 @@ struct Fused {
   static constexpr bool kClaimRuns = kVTransposed && kStageApart;  // v_loop: runs taken as warps come free
   static_assert(sizeof(Smem) + kPutVBytes <= 48 * 1024, "static shared memory");
 
-  // A thread's tokens go through a pipeline of kDepth stages (the tuned pipeline depth).
-  // Its two row chunks (the bulk of the bytes) are requested one token ahead of its math
-  // (RowPipe: on NVIDIA into a ring in shared memory, by copies that hold no registers in
-  // flight); positions and slots come into registers kDepth tokens ahead, and the cos/sin
-  // rows, which wait on the position, kDepth - 1 ahead. Depth 2 takes that second round
-  // trip off each token's path (4-6% at 8192+ tokens, NOTES v6.8) for registers (spills
-  // with fp32 cos/sin, or FP8 KV at 4 kv heads) and a longer start: the best depth
-  // depends on the shape.
-  template <int kDepth>
+  // A thread's tokens go through a pipeline of kDepth stages (the tuned pipeline depth);
+  // it holds kSub lanes of one head (Sub). Its row chunks (the bulk of the bytes) are
+  // requested one token ahead of its math (RowPipe: on NVIDIA into a ring in shared
+  // memory, by copies that hold no registers in flight); positions and slots come into
+  // registers kDepth tokens ahead, and the cos/sin rows, which wait on the position,
+  // kDepth - 1 ahead. Depth 2 takes that second round trip off each token's path (4-6% at
+  // 8192+ tokens, NOTES v6.8) for registers (spills with fp32 cos/sin, or FP8 KV at 4 kv
+  // heads) and a longer start: the best depth depends on the shape.
+  template <int kDepth, int kSub>
   static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block, Smem& smem) {
     constexpr int kMeta = kDepth;
     constexpr int kCsAhead = kDepth - 1;
+    constexpr int LN = Sub<kSub>::LN, kChunks = Sub<kSub>::kChunks;
     float (&norm_factors)[4][D] = smem.u.main.norm_factors;
 #if KVF_ASYNC_COPY
-    RowPipe<kRowsAhead> pipe{smem.u.main.ring};
+    RowPipe<kRowsAhead, kSub> pipe{smem.u.main.ring};
 #else
-    RowPipe<kRowsAhead> pipe;
+    RowPipe<kRowsAhead, kSub> pipe;
 #endif
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
@@ -534,41 +584,47 @@ struct Fused {
     // 1.75 us, NOTES v6.13); short calls at TP1 are faster with smaller tiles (tuned).
     const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
     const int in_tile = static_cast<int>(gid % tile_lanes);
-    const int within = in_tile / (dims.tile * LANES) * LANES + in_tile % LANES;  // lane of the token's row
-    const int lane = within % LANES;
-    const Role r = role_of(within / LANES, a.num_heads, a.num_index_heads, dims.main_kv_heads);
-    const int row_head = row_head_of(within / LANES, a.num_heads, dims.main_kv_heads);
-    const uint32_t d0[2] = {uint32_t(chunk_of(lane, 0) * kVec), uint32_t(chunk_of(lane, 1) * kVec)};
+    const int within = in_tile / (dims.tile * LN) * LN + in_tile % LN;  // thread lane of the token's row
+    const int lane = within % LN;
+    const Role r = role_of(within / LN, a.num_heads, a.num_index_heads, dims.main_kv_heads);
+    const int row_head = row_head_of(within / LN, a.num_heads, dims.main_kv_heads);
+    uint32_t d0[kChunks];  // chunk 2s + i: chunk i of sub-lane s
+    int at[kChunks];       // its bytes from the first
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) d0[c] = uint32_t(chunk_of(lane + c / 2 * LN, c % 2) * kVec);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) at[c] = int(d0[c] - d0[0]) * 2;
     const bool kv = r.kind == kK || r.kind == kV;
     const int64_t* slots = kv ? a.slot_mapping : a.index_slot_mapping;
     const int64_t nslots = kv ? a.num_slots : a.num_index_slots;
     const bool has_slot = kv || r.kind == kIK;
-    const bool needs_cs = kAlignedHalves && r.kind != kV && lane < kRotLanes;
+    auto needs_cs = [&](int s) { return kAlignedHalves && r.kind != kV && Sub<kSub>::rotary(s, lane); };
     const char* row0 = static_cast<const char*>(a.qkv) + (int64_t(row_head) * D + d0[0]) * 2;
-    const int64_t gap = int64_t(d0[1] - d0[0]) * 2;
-    const int64_t first = dims.tile * (gid / tile_lanes) + in_tile / LANES % dims.tile;  // the thread's first token
+    const int64_t first = dims.tile * (gid / tile_lanes) + in_tile / LN % dims.tile;  // the thread's first token
     // Copies into shared memory go out only for tokens the loop processes, so none is
     // still in flight when the thread returns (the V loop's stage then reuses the ring).
     int64_t t_req = first;
     auto request_rows = [&](int k) {
 #if KVF_ASYNC_COPY
-      if (!idle && t_req < a.num_tokens) pipe.fill(k, row0 + t_req * a.qkv_row_stride * 2, gap);
+      if (!idle && t_req < a.num_tokens) pipe.fill(k, row0 + t_req * a.qkv_row_stride * 2, at);
 #else
       // Register rows load every time (the last row again past the end): with a fixed
       // count of loads behind it, AMD's in-order wait for the cos/sin leaves them in flight.
-      pipe.fill(k, row0 + (t_req < a.num_tokens ? t_req : a.num_tokens - 1) * a.qkv_row_stride * 2, gap);
+      pipe.fill(k, row0 + (t_req < a.num_tokens ? t_req : a.num_tokens - 1) * a.qkv_row_stride * 2, at);
 #endif
       pipe.close();
       t_req += tpp;
     };
-    auto fetch = [&](Meta& m, int64_t t) {
+    auto fetch = [&](Meta<kSub>& m, int64_t t) {
       const bool live = !idle && t < a.num_tokens;
       m.pos = live && r.kind != kV ? a.positions[t] : 0;
       m.slot = live && has_slot && t < nslots ? slots[t] : -1;
     };
-    auto fetch_cos_sin = [&](Meta& m) {
+    auto fetch_cos_sin = [&](Meta<kSub>& m) {
       m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
-      m.cs = needs_cs && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, lane * kVec) : CosSinRaw{};
+#pragma unroll
+      for (int s = 0; s < kSub; ++s)
+        m.cs[s] = needs_cs(s) && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, (lane + s * LN) * kVec) : CosSinRaw{};
     };
     // While the previous kernel runs, warm L2 with what the first token needs: its row
     // chunks, position and slot, the cos/sin row at the position as read now (the
@@ -576,16 +632,21 @@ struct Fused {
     // norm weights (one block asks for those shared lines). Rows in DRAM come sooner
     // after the wait (TP8, 1024 tokens: 4.6 -> 4.1 us, NOTES); nothing read here is used.
     if (!idle && first < a.num_tokens) {
-      prefetch_l2(row0 + first * a.qkv_row_stride * 2);
-      prefetch_l2(row0 + first * a.qkv_row_stride * 2 + gap);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) prefetch_l2(row0 + first * a.qkv_row_stride * 2 + at[c]);
       prefetch_l2(a.positions + first);
       if (has_slot && first < nslots) prefetch_l2(slots + first);
-      if (needs_cs) {
+      if (needs_cs(0)) {  // the rotary lanes come first: sub-lane 0 is one if any is
         const int64_t p = load_l2(a.positions + first);
         if (p >= 0 && p < a.max_pos) {
           const char* row = cos_sin_row(a.cos_sin, p);
-          prefetch_l2(row + lane * kVec * CS::kBytes);
-          prefetch_l2(row + (HALF + lane * kVec) * CS::kBytes);
+#pragma unroll
+          for (int s = 0; s < kSub; ++s) {
+            if (needs_cs(s)) {
+              prefetch_l2(row + (lane + s * LN) * kVec * CS::kBytes);
+              prefetch_l2(row + (HALF + (lane + s * LN) * kVec) * CS::kBytes);
+            }
+          }
         }
       }
     }
@@ -601,7 +662,7 @@ struct Fused {
     wait_prior_grid();
 #pragma unroll
     for (int k = 0; k < kRowsAhead; ++k) request_rows(k);
-    Meta q[kMeta + 1];  // q[k]: the token k steps ahead of the one being computed
+    Meta<kSub> q[kMeta + 1];  // q[k]: the token k steps ahead of the one being computed
 #pragma unroll
     for (int k = 0; k < kMeta; ++k) fetch(q[k], first + k * tpp);
     // The thread's cache scale (its head is fixed), in flight beside the rows.
@@ -622,9 +683,9 @@ struct Fused {
       // the scale came; where it is used, in process, it was slower than here (FP8 TP8,
       // 1 token: 2.09 us ahead, 2.01 at its use, 1.95 here; NOTES v6.13).
       const float kv_inv = 1.0f / kv_scale;
-      uint4 x[2];
+      uint4 x[kChunks];
       pipe.front(x);
-      process(a, lane, r, d0, factors, kv_inv, t, x, q[0]);
+      process<kSub>(a, lane, r, d0, factors, kv_inv, t, x, q[0]);
 #pragma unroll
       for (int k = 0; k < kMeta; ++k) q[k] = q[k + 1];
       pipe.pop();
@@ -645,7 +706,7 @@ struct Fused {
       if (tpp >= a.num_tokens) {
         if (kClaimRuns && dims.v_groups) __syncthreads();  // v_taken, before any claim
         if (!idle && first < a.num_tokens) {
-          const GlobalFactors g(r.kind == kV ? nullptr : norm_weight(a, wk), d0);
+          const GlobalFactors<kChunks> g(r.kind == kV ? nullptr : norm_weight(a, wk), d0);
           step(first, g);
         }
         return;
@@ -677,49 +738,74 @@ struct Fused {
     for (int64_t t = first; t < a.num_tokens; t += tpp) step(t, shared);
   }
 
-  template <class Factors>
-  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const uint32_t (&d0)[2],
-                                 const Factors& factors, float kv_inv, int64_t t, const uint4 (&x)[2], const Meta& m) {
+  // One token of a thread: its chunks x (chunk 2s + i: chunk i of sub-lane s, dims d0).
+  template <int kSub, class Factors>
+  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const uint32_t (&d0)[2 * kSub],
+                                 const Factors& factors, float kv_inv, int64_t t, const uint4 (&x)[2 * kSub],
+                                 const Meta<kSub>& m) {
+    constexpr int kChunks = 2 * kSub, LN = Sub<kSub>::LN;
     const int64_t slot = m.slot;
     const int kind = role.kind, head = role.head;
-    float f[2][kVec];
-    unpack8<M>(x[0], f[0]);
-    unpack8<M>(x[1], f[1]);
+    float f[kChunks][kVec];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) unpack8<M>(x[c], f[c]);
     if (kind == kV) {
       if (!slot_ok<typename VT::V>(a.v_cache, slot)) return;
       if constexpr (kStageV) {
-        put_v_by_dim(a.v_cache, kv_inv, slot, head, lane, d0, x, f);
+        put_v_by_dim<kSub>(a.v_cache, kv_inv, slot, head, lane, d0, x, f);
       } else {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const uint32_t bits[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
-          put_kv<typename VT::V>(a.v_cache, kv_inv, slot, head, d0[i], f[i], bits);
+        for (int c = 0; c < kChunks; ++c) {
+          const uint32_t bits[4] = {x[c].x, x[c].y, x[c].z, x[c].w};
+          put_kv<typename VT::V>(a.v_cache, kv_inv, slot, head, d0[c], f[c], bits);
         }
       }
       return;
     }
-    // RMSNorm over the head: a lane's 16 squares in sequence, then a butterfly.
-    float ss = 0.f;
+    // RMSNorm over the head: a lane's 16 squares in sequence, then a butterfly whose first
+    // steps a thread of several lanes takes itself (Sub).
+    float ss[kSub];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int s = 0; s < kSub; ++s) {
+      ss[s] = 0.f;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) ss = fmaf(f[i][j], f[i][j], ss);
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) ss[s] = fmaf(f[2 * s + i][j], f[2 * s + i][j], ss[s]);
+      }
     }
 #pragma unroll
-    for (int sh = LANES / 2; sh >= 1; sh /= 2) ss += shfl_xor<LANES>(ss, sh);
-    const float inv = 1.0f / sqrtf(ss / float(D) + a.eps);
-    float n[2][kVec], y[2][kVec];
+    for (int h = kSub / 2; h >= 1; h /= 2) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float w[kVec];
-      factors.get(d0, i, w);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) n[i][j] = (f[i][j] * inv) * w[j];
+      for (int s = 0; s < h; ++s) ss[s] += ss[s + h];
     }
-    rope(m.cs, a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, n, y);
-    if (m.pos < 0) return;
+    float sum = ss[0];
+#pragma unroll
+    for (int sh = LN / 2; sh >= 1; sh /= 2) sum += shfl_xor<LN>(sum, sh);
+    const float inv = 1.0f / sqrtf(sum / float(D) + a.eps);
+#pragma unroll
+    for (int s = 0; s < kSub; ++s) {
+      float n[2][kVec], y[2][kVec];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float w[kVec];
+        factors.get(d0, 2 * s + i, w);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) n[i][j] = (f[2 * s + i][j] * inv) * w[j];
+      }
+      rope(m.cs[s], a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, Sub<kSub>::rotary(s, lane), n, y);
+      if (m.pos < 0) return;
+      store_normed<kSub>(a, kind, head, slot, kv_inv, t, d0, s, y);
+    }
+  }
+
+  // Sub-lane s's rotated values y (chunks 2s, 2s + 1) to q_out or a cache.
+  template <int kSub>
+  static KVF_DEVICE void store_normed(const kvf_args_t& a, int kind, int head, int64_t slot, float kv_inv, int64_t t,
+                                      const uint32_t (&d0)[2 * kSub], int s, const float (&y)[2][kVec]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+      const uint32_t dc = d0[2 * s + i];
       // The model-dtype rounding (q_out, K, index_k); FP8 quantizes it where the unfused
       // path does (kRoundBeforeQuant). Unpacked only in those branches: shared, it made
       // the compiler round every lane's values one by one (F2F, a slow pipe) instead of
@@ -731,17 +817,17 @@ struct Fused {
         else for (int j = 0; j < kVec; ++j) r[j] = y[i][j];
       };
       if (kind == kQ) {
-        char* dst = static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + d0[i]) * 2;
+        char* dst = static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + dc) * 2;
         store_bytes<16>(dst, bits, 0);
       } else if (kind == kK) {
         if (slot_ok<typename VT::K>(a.k_cache, slot)) {
           float r[kVec];
           quant_src(r);
-          put_kv<typename VT::K>(a.k_cache, kv_inv, slot, head, d0[i], r, bits);
+          put_kv<typename VT::K>(a.k_cache, kv_inv, slot, head, dc, r, bits);
         }
       } else if (kind == kIQ) {
         char* base = static_cast<char*>(a.index_q_out);
-        const int64_t e = (t * a.num_index_heads + head) * D + d0[i];
+        const int64_t e = (t * a.num_index_heads + head) * D + dc;
         if constexpr (VT::kIndexFp8) {
           uint32_t q[2];
           pack_fp8<VT::kFp8, true>(y[i], 1.0f, q);  // straight from fp32
@@ -755,9 +841,9 @@ struct Fused {
           quant_src(r);
           uint32_t q[2];
           pack_fp8<VT::kFp8, true>(r, 1.0f, q);
-          store_dims<typename VT::Index>(a.index_cache, slot, 0, d0[i], q);
+          store_dims<typename VT::Index>(a.index_cache, slot, 0, dc, q);
         } else {
-          store_dims<typename VT::Index>(a.index_cache, slot, 0, d0[i], bits);
+          store_dims<typename VT::Index>(a.index_cache, slot, 0, dc, bits);
         }
       }
     }
@@ -884,8 +970,8 @@ struct Fused {
   }
 };
 
-template <class VT, int kDepth>
-__global__ void __launch_bounds__(kBlock, kMinBlocksPerSm)
+template <class VT, int kDepth, int kSub>
+__global__ void __launch_bounds__(kThreadsOf<kSub>, kMinBlocksOf<kSub>)
     fused_kernel(const KVF_GRID_CONSTANT kvf_args_t a, const Dims dims) {
   // Launched as a dependent of the previous kernel: main_loop calls wait_prior_grid()
   // before it reads anything (every thread, before the V loop too). The next
@@ -894,7 +980,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksPerSm)
   using F = Fused<VT>;
   __shared__ typename F::Smem smem;
   const int block = static_cast<int>(blockIdx.x);
-  F::template main_loop<kDepth>(a, dims, block, smem);
+  F::template main_loop<kDepth, kSub>(a, dims, block, smem);
   // Every thread then takes its share of the V loop, so that work (a few percent of
   // the bytes, but more instructions and round trips per byte) has the whole GPU and
   // starts wherever the main loop finishes first. (Blocks of its own, sized by bytes,
@@ -908,38 +994,57 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksPerSm)
   }
 }
 
-// Resident blocks per SM of fused_kernel<VT, kDepth> at kThreads threads; 0 where unknown.
-template <class VT, int kDepth, int kThreads>
+// Resident blocks per SM of fused_kernel<VT, kDepth, kSub> at kThreads threads; 0 where unknown.
+template <class VT, int kDepth, int kSub, int kThreads>
 int resident_blocks(int dev) {
   static std::atomic<int> count[kMaxDevices];
   return device_fact(count, dev, [](int* v) {
-    return hipOccupancyMaxActiveBlocksPerMultiprocessor(v, fused_kernel<VT, kDepth>, kThreads, 0);
+    return hipOccupancyMaxActiveBlocksPerMultiprocessor(v, fused_kernel<VT, kDepth, kSub>, kThreads, 0);
   });
 }
 
 template <class VT, int kDepth>
-int launch_at_depth(const kvf_args_t* a, void* stream) {
+int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
   using F = Fused<VT>;
   Dims dims;
   const bool v_loop = F::kVTransposed && (a->v_loop == KVF_V_LOOP_DEFAULT ? a->num_tokens >= KVF_V_LOOP_MIN_TOKENS
                                                                            : a->v_loop == KVF_V_LOOP_ON);
   dims.main_kv_heads = v_loop ? F::NKV : 2 * F::NKV;
-  dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads, dims.main_kv_heads) * F::LANES;
+  const int64_t heads = F::heads_main(a->num_heads, a->num_index_heads, dims.main_kv_heads);
   dims.v_tokens = a->num_slots < a->num_tokens ? a->num_slots : a->num_tokens;
   dims.v_groups = v_loop ? (dims.v_tokens + F::kVGroup - 1) / F::kVGroup : 0;
-  // One wave of resident blocks at most; the main loop's threads then stride over the
-  // tokens. While the work fits, a lane per 32 bytes of a token (few tokens: the most
-  // parallelism).
+  // A tile of tokens_per_tile * lanes tokens: a head's threads of it are as many at either
+  // lane count (at 4 and head_dim 128, a warp is one head). Two lanes with tiles of 2 * t
+  // rather than t: FP8 TP4, 8192 tokens 31.2 -> 24.8 us, sglang TP4 27.6 -> 24.6 (NOTES v6.17).
+  dims.tile = (a->tokens_per_tile ? a->tokens_per_tile : KVF_DEFAULT_TOKENS_PER_TILE) * lanes;
+  dims.lanes_per_token = heads * (F::LANES / lanes);
   int dev = 0;
   if (hipGetDevice(&dev) != hipSuccess) return int(hipGetLastError());
   const int n_sms = sm_count(dev);
   const int64_t sms = n_sms ? n_sms : 132;
-  const int resident = resident_blocks<VT, kDepth, kBlock>(dev);
-  const int64_t cap = sms * (resident ? resident : 1);
-  dims.tile = a->tokens_per_tile ? a->tokens_per_tile : KVF_DEFAULT_TOKENS_PER_TILE;
   const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
   const int64_t total_main = (int64_t(a->num_tokens) + dims.tile - 1) / dims.tile * tile_lanes;
   const auto blocks_of = [total_main](int threads) { return (total_main + threads - 1) / threads; };
+  // `blocks` of `threads` (at most one wave of resident blocks, `per_sm` each: the main
+  // loop's threads then stride over the tokens), at least one tile's worth of threads; a
+  // call of one pass has no pipeline to deepen, so it runs at depth 1 (see main_loop).
+  using Kernel = decltype(&fused_kernel<VT, 1, 1>);
+  const auto go = [&](int threads, int per_sm, Kernel one_pass, Kernel loop) {
+    int64_t blocks = blocks_of(threads);
+    if (per_sm && blocks > sms * per_sm) blocks = sms * per_sm;
+    const int64_t min_blocks = (tile_lanes + threads - 1) / threads;
+    if (blocks < min_blocks) blocks = min_blocks;
+    dims.tokens_per_pass = blocks * threads / tile_lanes * dims.tile;
+    return int(launch_kernel(dims.tokens_per_pass >= a->num_tokens ? one_pass : loop, static_cast<unsigned>(blocks),
+                             threads, static_cast<hipStream_t>(stream), dependent_launch_supported(dev), *a, dims));
+  };
+  if constexpr (F::kMaxSub == 2) {
+    if (lanes == 2) {
+      constexpr int kThreads = kThreadsOf<2>;
+      const int resident = resident_blocks<VT, kDepth, 2, kThreads>(dev);
+      return go(kThreads, resident ? resident : 1, fused_kernel<VT, 1, 2>, fused_kernel<VT, kDepth, 2>);
+    }
+  }
   // Smaller blocks reach more SMs where a call has few lanes (TP1, 16 decode tokens, 39
   // blocks of 256: SHUFFLE bf16 2.07 -> 1.86 us): kBlock / 2 where that grid has at most
   // one block per SM (past that it lost: TP4, 128 tokens, 80 blocks of 256 or 160 of 128:
@@ -949,28 +1054,21 @@ int launch_at_depth(const kvf_args_t* a, void* stream) {
   int threads = kBlock;
   if (blocks_of(kBlock / 2) <= sms) {
     threads = kBlock / 2;
-    if (blocks_of(threads) < sms && blocks_of(kBlock / 4) <= sms * resident_blocks<VT, 1, kBlock / 4>(dev))
+    if (blocks_of(threads) < sms && blocks_of(kBlock / 4) <= sms * resident_blocks<VT, 1, 1, kBlock / 4>(dev))
       threads = kBlock / 4;
   }
-  int64_t blocks = blocks_of(threads);
-  if (threads == kBlock && blocks > cap) blocks = cap;
-  // Every main-loop thread keeps one head lane; at least one tile's worth of them.
-  const int64_t min_blocks = (tile_lanes + threads - 1) / threads;
-  if (blocks < min_blocks) blocks = min_blocks;
-  dims.tokens_per_pass = blocks * threads / tile_lanes * dims.tile;
-  // A call of one pass has no pipeline to deepen: it runs at depth 1 (see main_loop).
-  const auto kernel = dims.tokens_per_pass >= a->num_tokens ? fused_kernel<VT, 1> : fused_kernel<VT, kDepth>;
-  return int(launch_kernel(kernel, static_cast<unsigned>(blocks), threads,
-                           static_cast<hipStream_t>(stream), dependent_launch_supported(dev), *a, dims));
+  const int resident = threads == kBlock ? resident_blocks<VT, kDepth, 1, kBlock>(dev) : 0;
+  return go(threads, threads == kBlock ? (resident ? resident : 1) : 0, fused_kernel<VT, 1, 1>,
+            fused_kernel<VT, kDepth, 1>);
 }
 
 template <class VT, int kDepth = 1>
-int launch_depth(const kvf_args_t* a, void* stream, int depth) {
+int launch_depth(const kvf_args_t* a, void* stream, int depth, int lanes) {
   if constexpr (kDepth > KVF_MAX_PIPELINE_DEPTH) {
     return int(hipErrorInvalidValue);
   } else {
-    return depth == kDepth ? launch_at_depth<VT, kDepth>(a, stream)
-                           : launch_depth<VT, kDepth + 1>(a, stream, depth);
+    return depth == kDepth ? launch_at_depth<VT, kDepth>(a, stream, lanes)
+                           : launch_depth<VT, kDepth + 1>(a, stream, depth, lanes);
   }
 }
 
@@ -983,7 +1081,9 @@ int launch(const kvf_args_t* a, void* stream) {
   const int tile = a->tokens_per_tile;
   if (tile < 0 || tile > KVF_MAX_TOKENS_PER_TILE || (tile & (tile - 1))) return int(hipErrorInvalidValue);
   if (a->v_loop < KVF_V_LOOP_DEFAULT || a->v_loop > KVF_V_LOOP_ON) return int(hipErrorInvalidValue);
-  return launch_depth<VT>(a, stream, a->pipeline_depth ? a->pipeline_depth : KVF_DEFAULT_PIPELINE_DEPTH);
+  const int lanes = a->lanes_per_thread ? a->lanes_per_thread : KVF_DEFAULT_LANES_PER_THREAD;
+  if (lanes < 1 || lanes > Fused<VT>::kMaxSub) return int(hipErrorInvalidValue);
+  return launch_depth<VT>(a, stream, a->pipeline_depth ? a->pipeline_depth : KVF_DEFAULT_PIPELINE_DEPTH, lanes);
 }
 
 }  // namespace kvf
