@@ -43,9 +43,9 @@ VARIANT_LAUNCHES = [_launch_param(v, launch) for v in VARIANTS for launch in lau
 # slot-mapping length). 3999 tokens of 8 q heads run a thread's pipeline through several
 # tokens, each launch's grid being one wave (an H200 holds 3 x 132 blocks of 256 threads of
 # one lane, 4 x 132 of 128 threads of two): at least two passes for every head_dim and lane
-# count (at most ~1800 tokens per pass). 200 decode tokens of 64 q heads are several passes
+# count (at most ~2300 tokens per pass). 200 decode tokens of 64 q heads are several passes
 # at one lane per thread (168-194 per pass at head_dim 128, fewer above; one pass at 64) and
-# one at two. A SHUFFLE V goes both ways in each:
+# one at two (two at head_dim 256). A SHUFFLE V goes both ways in each:
 # in the main loop a thread's second token reuses the row its group stages V through, the V
 # loop meets prefill runs and decode's scattered slots. 11 decode tokens of 64 q heads fill
 # fewer blocks of 256 than an H200 has SMs, so a launch of one lane per thread takes smaller

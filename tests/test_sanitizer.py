@@ -6,7 +6,8 @@ while racecheck counted 200k hazards), so the staged paths run here under the to
 the V loop's runs (bf16 one group each; FP8 two groups per run, a warp at head_dim 128
 and half a warp at 64), long enough that each group writes several runs, and a decode
 (put_v_by_dim) at the default tile and at 4 tokens per tile (a warp one head of four
-tokens). Run as a script, this file makes those calls.
+tokens), each at one and at two head lanes per thread (groups of half as many threads,
+blocks of 128). Run as a script, this file makes those calls.
 """
 import shutil
 import subprocess
@@ -18,6 +19,8 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 SANITIZER = shutil.which("compute-sanitizer")
+# (tokens: "v-loop" = a prefill as long as v_loop_tokens(v, 1), else decode slots; tile; lanes)
+CALLS = [("v-loop", 0, 1), (200, 0, 1), (200, 4, 1), ("v-loop", 0, 2), (200, 0, 2), (200, 4, 2)]
 URIS = [
     "vllm_shuffle16_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_model_kvnone",
     "vllm_shuffle16_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_fp8_kvpertensor_e4m3fn",
@@ -34,7 +37,7 @@ def test_staged_v_has_no_hazard_under_compute_sanitizer(tool):
                           cwd=Path(__file__).resolve().parents[1])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert out.count("identical") == 3 * len(URIS), out[-4000:]  # every call ran and matched
+    assert out.count("identical") == len(CALLS) * len(URIS), out[-4000:]  # every call ran and matched
     assert ("RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors") in out, out[-4000:]
 
 
@@ -48,13 +51,15 @@ def _calls(uris):
     variants = {v.uri: v for v in spec().variants}
     for uri in uris:
         v = variants[uri]
-        # One item per group if an SM held 8 blocks; 2 or 3 do: every group writes two or more.
-        for tokens, nq, slots, launch in ((v_loop_tokens(v, 1), 1, "prefill", Launch(0, 0, V_LOOP_ON)),
-                                          (200, 8, "decode", Launch(0, 0, V_LOOP_OFF)),
-                                          (200, 8, "decode", Launch(0, 4, V_LOOP_OFF))):
+        for tokens, tile, lanes in CALLS:
+            if tokens == "v-loop":
+                # One item per group if an SM held 8 blocks; 2 or 3 do: every group writes two or more.
+                tokens, nq, slots, launch = v_loop_tokens(v, 1), 1, "prefill", Launch(0, tile, V_LOOP_ON, lanes)
+            else:
+                nq, slots, launch = 8, "decode", Launch(0, tile, V_LOOP_OFF, lanes)
             args = make_inputs(v, tokens, nq, 1, slots=slots, device="cuda", seed=3)
             stats = check_against_reference(args, lambda **a: launch_with(launch, **a)(), ref_device="cuda")
-            print(uri, tokens, slots, f"tile {launch.tile}", "identical",
+            print(uri, tokens, slots, f"tile {launch.tile} lanes {launch.lanes}", "identical",
                   min(s["identical"] for s in stats.values()), flush=True)
 
 

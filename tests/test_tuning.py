@@ -4,9 +4,8 @@ import json
 import pytest
 
 from benchmarks.tune import choose, launches, ranges, v_place
-from codegen.layout import v_transposed
+from codegen.layout import max_lanes_per_thread, v_transposed
 from codegen.paths import TUNED
-from codegen.layout import max_lanes_per_thread
 from runtime.abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
                          MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF,
                          V_LOOP_ON)

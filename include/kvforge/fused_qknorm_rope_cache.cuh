@@ -9,10 +9,10 @@
 // RoPE partner where the rotary halves allow), so one head of D dims is D/16 lanes, held
 // by as many adjacent threads ("a group") or, at two lanes per thread (tuned), half as
 // many; groups never straddle a warp or wave, so the RMSNorm reduction is a shuffle
-// butterfly inside the group. Tokens go to threads in tiles of one, two or
-// four (tuned), the tile's groups of each head side by side. A main-loop thread keeps one
-// head lane for every token it visits and requests the next token's rows (RowPipe)
-// while computing the current. V of a layout that scatters one token's dims (SHUFFLE)
+// butterfly inside the group. Tokens go to threads in tiles of one, two or four (tuned;
+// twice that at two lanes), the tile's groups of each head side by side. A main-loop
+// thread keeps its head lanes for every token it visits and requests the next token's
+// rows (RowPipe) while computing the current. V of a layout that scatters one token's dims (SHUFFLE)
 // goes, in long calls (kvf_args_t::v_loop), to a second loop every thread runs after the
 // main one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
 // prefill runs, transposes them in registers into vector stores (whole 16-byte runs are
@@ -71,8 +71,9 @@ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
 struct Dims {
   int32_t main_kv_heads;      // K and V heads per token in the main loop: 2 nkv, or nkv when V is the V loop's
-  int32_t lanes_per_token;    // main loop: heads handled per token * lanes per head
-  int32_t tile;               // tokens whose lanes of a head sit side by side (1, 2 or 4)
+  int32_t lanes_per_token;    // main loop: threads per token, heads handled * a head's threads
+  int32_t tile;               // tokens whose groups of a head sit side by side (1..8: a tile
+                              // of tokens_per_tile * lanes_per_thread)
   int64_t tokens_per_pass;    // tokens the main loop's threads cover at once (whole tiles)
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
   int64_t v_groups;           // groups of kVGroup tokens the V loop writes (the last may be partial)
@@ -325,8 +326,9 @@ struct Fused {
 
   // NeoX rotation of a lane's normalized chunks n into y: y_i = n_i c_i - n_{i+h} s_i,
   // y_{i+h} = n_{i+h} c_i + n_i s_i, each as one fma of the first product (the reference
-  // rounds the same way). All lanes of the head must call this; `rot`: the lane is a
-  // rotary one (aligned halves), `lane`: its index in the head (otherwise).
+  // rounds the same way). All lanes of the head must call this where the halves are not
+  // aligned (its shuffles; such a thread holds one lane); `rot`: the lane is a rotary one
+  // (aligned halves), `lane`: its index in the head (otherwise).
   static KVF_DEVICE void rope(const CosSinRaw& csr, const void* cs, int64_t pos, int lane, bool rot,
                               const float (&n)[2][kVec], float (&y)[2][kVec]) {
     if constexpr (kAlignedHalves) {
@@ -526,7 +528,9 @@ struct Fused {
   // TP1 at 65536 tokens: 767 -> 665 us at depth 2, where ptxas also spilled 20 bytes,
   // not 208; 778 -> 762 at depth 1, NOTES v6.10.) Where there is no stage (AMD, the
   // register pipeline, FP8 at head_dim 256) there is no barrier either. 39 KB leaves
-  // three blocks per SM on sm_90's 228 KB, two on sm_86/89's 100 KB.
+  // three blocks per SM on sm_90's 228 KB, two on sm_86/89's 100 KB. A block of 128
+  // threads of two lanes has the same bytes (the V-loop stage, sized for 256 threads, half
+  // used): four per SM on sm_90, two on sm_86/89.
   struct MainSmem {
     float norm_factors[4][D];
 #if KVF_ASYNC_COPY
@@ -575,13 +579,14 @@ struct Fused {
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
     const bool idle = gid >= tpp * dims.lanes_per_token;  // whole head groups idle together
-    // Threads take tokens in tiles of dims.tile (1, 2 or 4): a head's groups of a tile's
-    // tokens sit side by side, so one store instruction writes the head's vectors of them
-    // all: whole sectors where a layout puts consecutive slots' vectors next to each other
-    // (SHUFFLE's K, 16 bytes each), nearby lines elsewhere (2: 2-20% faster at 65536
-    // tokens). At 4 and head_dim 128 a warp is one head of four tokens, so no warp runs
-    // two roles one after the other (K's path, then V's: FP8 TP8, 16 decode tokens 2.04 ->
-    // 1.75 us, NOTES v6.13); short calls at TP1 are faster with smaller tiles (tuned).
+    // Threads take tokens in tiles of dims.tile (1, 2 or 4 times the lanes per thread): a
+    // head's groups of a tile's tokens sit side by side, so one store instruction writes
+    // the head's vectors of them all: whole sectors where a layout puts consecutive slots'
+    // vectors next to each other (SHUFFLE's K, 16 bytes each), nearby lines elsewhere (2:
+    // 2-20% faster at 65536 tokens). At 4 (8 at two lanes) and head_dim 128 a warp is one
+    // head of the tile's tokens, so no warp runs two roles one after the other (K's path,
+    // then V's: FP8 TP8, 16 decode tokens 2.04 -> 1.75 us, NOTES v6.13); short calls at
+    // TP1 are faster with smaller tiles (tuned).
     const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
     const int in_tile = static_cast<int>(gid % tile_lanes);
     const int within = in_tile / (dims.tile * LN) * LN + in_tile % LN;  // thread lane of the token's row
@@ -1014,8 +1019,9 @@ int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
   dims.v_tokens = a->num_slots < a->num_tokens ? a->num_slots : a->num_tokens;
   dims.v_groups = v_loop ? (dims.v_tokens + F::kVGroup - 1) / F::kVGroup : 0;
   // A tile of tokens_per_tile * lanes tokens: a head's threads of it are as many at either
-  // lane count (at 4 and head_dim 128, a warp is one head). Two lanes with tiles of 2 * t
-  // rather than t: FP8 TP4, 8192 tokens 31.2 -> 24.8 us, sglang TP4 27.6 -> 24.6 (NOTES v6.17).
+  // lane count (at 4 and head_dim 128, a warp is one head). At two lanes, tiles of t put
+  // two heads in a warp, so K's and V's paths ran one after the other again: FP8 TP4, 8192
+  // tokens, 23.9 us at one lane, 31.2 at two; 24.8 with tiles of 2t (NOTES v6.17).
   dims.tile = (a->tokens_per_tile ? a->tokens_per_tile : KVF_DEFAULT_TOKENS_PER_TILE) * lanes;
   dims.lanes_per_token = heads * (F::LANES / lanes);
   int dev = 0;
