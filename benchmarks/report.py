@@ -32,8 +32,9 @@ def _run_section(name: str, result: dict) -> list[str]:
         "half, rotating as many buffers, timed the same way; % of it = its µs / ours: how close "
         "a case is to what moving its bytes costs at that size",
         "- depth, tile, lanes, V: the main loop's pipeline depth, its tokens per tile (times "
-        "lanes), its head lanes per thread, and where a transposed V is written (the V loop or the main loop; – where V is not transposed), as "
-        "the runtime picked them from `tuning/` (made by `benchmarks/tune.py`)",
+        "lanes), its head lanes per thread, and where a transposed V is written (the V loop or "
+        "the main loop; – where V is not transposed), as the runtime picked them from `tuning/` "
+        "(made by `benchmarks/tune.py`)",
         *([f"- launch floor (a one-element torch `add_` timed the same way, no dependent launch): "
            f"**{result['launch_floor_us']:.2f} µs** per call"] if "launch_floor_us" in result else []),
         f"- host overhead per eager call: **{result['host_overhead_us']:.1f} µs** "
