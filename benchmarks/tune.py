@@ -1,38 +1,47 @@
-"""Tune the launch (pipeline depth, tokens per tile, where a transposed V is written) per
-variant and token range on this GPU.
+"""Tune the launch (pipeline depth, tokens per tile, where a transposed V is written, head
+lanes per thread) per variant and token range on this GPU.
 
     python benchmarks/tune.py [--name h200] [--tokens 1,16,128,512,1024,2048,4096,8192,32768,65536]
-                              [--all] [--resume]
+                              [--all] [--resume] [--budget-s S]
 
 For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
 variant in variants.yaml) and token count, every depth a library holds
 (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
 KVF_MAX_TOKENS_PER_TILE) and every count of head lanes per thread the variant has
 (codegen/layout.py: max_lanes_per_thread), and for a transposed V (SHUFFLE) with V in the
-main loop and in the V loop, is checked against the reference, then timed under CUDA-graph replay with
-inputs rotated past L2, as bench.py times (decode slots up to 256 tokens, prefill
-above). A launch other than the library's defaults is chosen only when it is more than
-2% faster. Where V is transposed, counts of 257..DECODE_MAX_TOKENS are also timed as
-decodes, each V place at its best depth and tile for prefills, and V's place is the one
-whose worse slowdown over the two slot patterns is smaller (again by more than 2% to
-move). Token ranges are split at the geometric midpoints between the measured counts (so
-the last decode-timed count's choice reaches to the midpoint above it); the table goes
-to tuning/<name>.json, with the build key of each variant it timed; the runtime reads it
-(runtime/tuning.py). Nothing is tuned at run time. Shapes: 4 kv heads are timed at TP1
-(64, 4, 4 heads), 1 kv head at TP8. Counts that fit one pass of the grid (every thread
-one token) run at depth 1 whatever the depth, so there the depths time the same kernel
-and the 2% rule keeps the default.
+main loop and in the V loop, is checked against the reference, then timed under CUDA-graph
+replay with inputs rotated past L2, as bench.py times (decode slots up to 256 tokens,
+prefill above). It is timed at each TP of bench.py the variant serves (4 kv heads: TP1's
+64, 4, 4 heads; 1 kv head: TP4's 16, 1, 1 and TP8's 8, 1, 1), since the table, keyed by
+token count alone, gives them one launch: the launch chosen is the one whose worst
+slowdown over those TPs is smallest, and one other than the library's defaults only when
+that is more than 2% smaller (with one TP: when it is more than 2% faster). Where V is
+transposed, counts of 257..DECODE_MAX_TOKENS are also timed as decodes, the choice and
+the other V place's best, and V's place is the one whose worst slowdown over prefills and
+decodes is smaller (again by more than 2% to move). Token ranges are split at the
+geometric midpoints between the measured counts (so the last decode-timed count's choice
+reaches to the midpoint above it); the table goes to tuning/<name>.json, with the build
+key of each variant it timed; the runtime reads it (runtime/tuning.py). Nothing is tuned
+at run time. Counts that fit one pass of the grid (every thread one token) run at depth 1
+whatever the depth, so there the depths time the same kernel and the 2% rule keeps the
+default.
 
-Each variant's results also go to <name>.json.partial as it finishes; --resume takes the
-variants found there whose build is unchanged (same command, device and torch) instead of
-timing them again. A run cut short leaves that file; another run refuses to overwrite it.
+Each count's times go to <name>.json.partial as it is measured; --resume takes what it
+finds there for variants whose build is unchanged (same command, device and torch) and
+times only the rest. A run cut short leaves that file; another run refuses to overwrite it.
+--budget-s stops the run before a count it could not finish in that many seconds from its
+start (judged by the most seconds a launch took at that count so far), leaving the file
+for --resume: a tune may take longer than one device call. The choices follow from
+the measured times alone (`pick`), so the table's measured_us re-derive its choices.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -50,10 +59,13 @@ from runtime.abi import (ABI_VERSION, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOO
                          V_LOOP_OFF, V_LOOP_ON)
 from runtime.api import launch_with  # noqa: E402
 from runtime.registry import source_of, spec  # noqa: E402
-from runtime.testing import check_against_reference  # noqa: E402
+from runtime.testing import ReferenceCheck  # noqa: E402
 from runtime.tuning import DEFAULT, Launch, parse  # noqa: E402
 
 MARGIN = 0.02
+# The layout of measured_us (2: µs by launch per pattern, "tp8" or "tp8-decode"); --resume
+# takes no partial of another.
+TUNER_FORMAT = 2
 # The table is keyed by token count alone, so one launch serves a count whatever its
 # slots. Decode batches this large are plausible (an engine's decode step has up to
 # max_num_seqs tokens, each in its own page), and there V in the main loop was 1.3-2.6x
@@ -70,61 +82,86 @@ def launches(v) -> list[Launch]:
             for n in lanes]
 
 
-def time_launches(v, tokens: int, candidates: list[Launch], slots: Optional[str] = None) -> dict[Launch, float]:
-    nq, _, niq = TP[1] if v.num_kv_heads == 4 else TP[8]
+def shapes(v) -> list[int]:
+    """The TPs of bench.py whose kv-head count is the variant's (4: TP1; 1: TP4 and TP8).
+    The table is keyed by token count alone, so one launch serves each of them; a variant
+    of another kv-head count is timed with TP8's q and index heads."""
+    return [tp for tp, (_, nkv, _) in TP.items() if nkv == v.num_kv_heads] or [8]
+
+
+def timings(v) -> int:
+    """Launches timed per count, decodes aside: the unit of --budget-s's estimate."""
+    return len(launches(v)) * len(shapes(v))
+
+
+def time_launches(v, tokens: int, candidates: list[Launch], tp: int,
+                  slots: Optional[str] = None) -> dict[Launch, float]:
+    """µs per call of each candidate at TP `tp`'s q and index heads, each checked against
+    the reference first."""
+    nq, _, niq = TP[tp]
     niq = niq if v.index_mode is not IndexMode.NONE else 0
     sets, _, _, n_calls = input_sets(v, tokens, nq, niq, slots=slots)
     n_sets = len(sets)
+    check = ReferenceCheck(sets[0], ref_device="cuda")
     out = {}
     for launch in candidates:
-        check_against_reference(sets[0], lambda **a: launch_with(launch, **a)(), ref_device="cuda")
+        check(lambda **a: launch_with(launch, **a)())
         calls = [launch_with(launch, **s) for s in sets]
-        out[launch] = graph_us([calls[i % n_sets] for i in range(n_calls)])
-    del sets
+        out[launch] = round(graph_us([calls[i % n_sets] for i in range(n_calls)]), 3)
+    del sets, check
     torch.cuda.empty_cache()
     return out
 
 
-def choose(times: dict[Launch, float], default: Launch) -> Launch:
-    """`default` (resolved, one of the timed launches) unless another is clearly faster."""
-    best = min(times, key=times.get)
-    return best if times[best] < (1 - MARGIN) * times[default] else default
+Patterns = dict[str, dict[Launch, float]]  # µs by launch, per pattern ("tp8", "tp8-decode")
 
 
-def v_place(prefill: dict[Launch, float], decode: dict[Launch, float], current: Launch) -> Launch:
-    """Of the launches timed with both slot patterns (one per V place), the one whose worse
-    slowdown against the faster of the same pattern is smaller; `current` unless another's
-    is clearly smaller."""
-    def worst(launch: Launch) -> float:
-        return max(prefill[launch] / min(prefill.values()), decode[launch] / min(decode.values()))
-    best = min(decode, key=worst)
-    return best if worst(best) < (1 - MARGIN) * worst(current) else current
+def worst(patterns: Patterns, launch: Launch) -> float:
+    """The launch's largest slowdown against the fastest launch timed in the same pattern."""
+    return max(times[launch] / min(times.values()) for times in patterns.values())
 
 
-def tune_variant(v, tokens: list[int]) -> tuple[list, dict]:
-    """The variant's table entry and what was measured (µs by launch, per count)."""
-    picks, measured = [], {}
-    for t in tokens:
-        times = time_launches(v, t, launches(v))
-        pick = choose(times, DEFAULT.resolved(t, v_transposed(v)))
-        measured[str(t)] = {_key(launch): round(us, 3) for launch, us in times.items()}
-        line = "  ".join(f"d{d}t{k}v{p}l{n} {us:.2f} us" for (d, k, p, n), us in times.items())
-        if v_transposed(v) and DECODE_UP_TO < t <= DECODE_MAX_TOKENS:
-            # the pick, and the other place at its best depth, tile and lanes
-            both = [pick if p == pick.v_loop else min((x for x in times if x.v_loop == p), key=times.get)
-                    for p in (V_LOOP_OFF, V_LOOP_ON)]
-            decode = time_launches(v, t, both, slots="decode")
-            pick = v_place({launch: times[launch] for launch in both}, decode, pick)
-            measured[str(t)].update({"decode-" + _key(launch): round(us, 3) for launch, us in decode.items()})
-            line += "  decode: " + "  ".join(f"d{d}t{k}v{p}l{n} {us:.2f} us" for (d, k, p, n), us in decode.items())
-        picks.append((t, pick))
-        print(f"{v.uri} T={t}: {line}  -> depth {pick.depth} tile {pick.tile} v_loop {pick.v_loop} "
-              f"lanes {pick.lanes}", flush=True)
-    return ranges(picks), measured
+def choose(patterns: Patterns, current: Launch) -> Launch:
+    """Of the launches timed in every pattern, the one whose worst slowdown is smallest;
+    `current` (one of them) unless another's is more than MARGIN smaller. With one pattern,
+    the fastest unless `current` is within MARGIN of it."""
+    timed = [launch for launch in next(iter(patterns.values())) if all(launch in t for t in patterns.values())]
+    best = min(timed, key=lambda launch: worst(patterns, launch))
+    return best if worst(patterns, best) < (1 - MARGIN) * worst(patterns, current) else current
+
+
+def measure_count(v, tokens: int) -> dict[str, dict[str, float]]:
+    """µs by launch key (`_key`) per pattern: every launch at each of the variant's TPs
+    ("tp8", slots as bench.py sets them); where V is transposed and the count may be a
+    decode, also the prefills' pick and the other V place's best with decode slots
+    ("tp8-decode")."""
+    prefill = {f"tp{tp}": time_launches(v, tokens, launches(v), tp) for tp in shapes(v)}
+    out = {name: {_key(launch): us for launch, us in times.items()} for name, times in prefill.items()}
+    if v_transposed(v) and DECODE_UP_TO < tokens <= DECODE_MAX_TOKENS:
+        first = choose(prefill, DEFAULT.resolved(tokens, True))
+        other = min((x for x in launches(v) if x.v_loop != first.v_loop), key=lambda x: worst(prefill, x))
+        for tp in shapes(v):
+            out[f"tp{tp}-decode"] = {_key(launch): us for launch, us in
+                                     time_launches(v, tokens, [first, other], tp, "decode").items()}
+    return out
+
+
+def pick(v, tokens: int, measured: dict[str, dict[str, float]]) -> Launch:
+    """The launch for `tokens` from what `measure_count` measured there, so a table's
+    choices follow from its measured_us alone: the prefills' choice over the TPs, then V's
+    place over prefills and decodes where decodes were timed."""
+    patterns = {name: {_launch(key): us for key, us in times.items()} for name, times in measured.items()}
+    prefill = {name: times for name, times in patterns.items() if not name.endswith("-decode")}
+    chosen = choose(prefill, DEFAULT.resolved(tokens, v_transposed(v)))
+    return choose(patterns, chosen) if len(patterns) > len(prefill) else chosen
 
 
 def _key(launch: Launch) -> str:
     return "depth{}-tile{}-vloop{}-lanes{}".format(*launch)
+
+
+def _launch(key: str) -> Launch:
+    return Launch(*map(int, re.fullmatch(r"depth(\d+)-tile(\d+)-vloop(\d+)-lanes(\d+)", key).groups()))
 
 
 def ranges(choices: list[tuple[int, Launch]]) -> list[list]:
@@ -147,8 +184,11 @@ def main() -> int:
     # for prefills (between 128 and 1024 tokens for FP8 at four kv heads, 4096 at one).
     ap.add_argument("--tokens", default="1,16,128,512,1024,2048,4096,8192,32768,65536")
     ap.add_argument("--all", action="store_true", help="every listed variant, not only the benchmark's")
-    ap.add_argument("--resume", action="store_true", help="take the variants <name>.json.partial holds")
+    ap.add_argument("--resume", action="store_true", help="take the counts <name>.json.partial holds")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop before a count that would end past this many seconds; resume with --resume")
     args = ap.parse_args()
+    start = time.monotonic()
     if args.all:
         variants = list(spec().variants)
     else:
@@ -161,6 +201,7 @@ def main() -> int:
     if len(set(tokens)) != len(tokens) or tokens[0] < 1:
         ap.error(f"--tokens: expected distinct positive counts, got {args.tokens}")
     table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "abi": ABI_VERSION,
+             "tuner": TUNER_FORMAT,
              "command": f"python benchmarks/tune.py --name {args.name} --tokens {args.tokens}"
                         + (" --all" if args.all else ""),
              "builds": {job.uri: build.cache_key(job.source, tc) for job in jobs},
@@ -172,18 +213,40 @@ def main() -> int:
         ap.error(f"{partial} holds a run cut short: pass --resume to continue it, or remove it")
     if args.resume and partial.exists():
         done = json.loads(partial.read_text())
-        if any(done.get(k) != table[k] for k in ("device", "torch", "abi", "command")):
-            ap.error(f"--resume: {partial} was made by another command, device or torch; remove it")
-        kept = [uri for uri in done["choices"] if done["builds"].get(uri) == table["builds"].get(uri)]
+        if any(done.get(k) != table[k] for k in ("device", "torch", "abi", "tuner", "command")):
+            ap.error(f"--resume: {partial} was made by another command, device, torch or tuner; remove it")
+        kept = [uri for uri in done["measured_us"] if done["builds"].get(uri) == table["builds"].get(uri)]
         for uri in kept:
-            table["choices"][uri], table["measured_us"][uri] = done["choices"][uri], done["measured_us"][uri]
-        changed = len(done["choices"]) - len(kept)
-        print(f"resuming: {len(kept)} variants from {partial}"
-              + (f" ({changed} re-timed: their builds changed)" if changed else ""), flush=True)
+            table["measured_us"][uri] = done["measured_us"][uri]
+            if uri in done["choices"]:
+                table["choices"][uri] = done["choices"][uri]
+        changed = len(done["measured_us"]) - len(kept)
+        print(f"resuming: {sum(uri in table['choices'] for uri in kept)} variants and "
+              f"{sum(len(table['measured_us'][uri]) for uri in kept if uri not in table['choices'])} counts "
+              f"of others from {partial}" + (f" ({changed} variants re-timed: their builds changed)" if changed else ""),
+              flush=True)
+    per_launch: dict[int, float] = {}  # the most seconds a launch took at a count: --budget-s's estimate
     for v in variants:
         if v.uri in table["choices"]:
             continue
-        table["choices"][v.uri], table["measured_us"][v.uri] = tune_variant(v, tokens)
+        measured = table["measured_us"].setdefault(v.uri, {})
+        for t in tokens:
+            if str(t) in measured:
+                continue
+            began = time.monotonic()
+            if args.budget_s is not None and began - start + per_launch.get(t, 0.0) * timings(v) > args.budget_s:
+                print(f"stopping within --budget-s {args.budget_s:g} before {v.uri} T={t}; {partial} holds "
+                      "what was measured: continue with --resume", flush=True)
+                return 3
+            measured[str(t)] = measure_count(v, t)
+            build.write_if_different(partial, json.dumps(table, indent=1, sort_keys=True) + "\n")
+            per_launch[t] = max(per_launch.get(t, 0.0), (time.monotonic() - began) / timings(v))
+            chosen = pick(v, t, measured[str(t)])
+            for name, times in measured[str(t)].items():
+                print(f"{v.uri} T={t} {name}: " + "  ".join(f"{key} {us:.2f} us" for key, us in times.items()))
+            print(f"{v.uri} T={t} -> depth {chosen.depth} tile {chosen.tile} v_loop {chosen.v_loop} "
+                  f"lanes {chosen.lanes}", flush=True)
+        table["choices"][v.uri] = ranges([(t, pick(v, t, measured[str(t)])) for t in tokens])
         build.write_if_different(partial, json.dumps(table, indent=1, sort_keys=True) + "\n")
     parse(table, "tuner output")  # what the runtime will accept
     build.write_if_different(out / f"{args.name}.json", json.dumps(table, indent=1, sort_keys=True) + "\n")

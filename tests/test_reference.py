@@ -113,3 +113,23 @@ def test_vllm_nhd_accepts_k_and_v_unbound_from_one_tensor():
     sm = args["slot_mapping"]
     x = args["qkv"].view(9, -1, 128)
     assert torch.equal(both[sm // 16, 1, sm % 16], x[:, 8:12])  # V rows landed in the V half
+
+
+def test_a_reference_check_restores_the_poison_before_each_run():
+    """The tuner checks every launch of a count against one ReferenceCheck: a run that wrote
+    where nothing is addressed fails, and must not leave its writes to the next run."""
+    from runtime.api import reference_qknorm_rope_cache
+    from runtime.testing import ReferenceCheck
+
+    v = SPEC.variants[0]
+    check = ReferenceCheck(make_inputs(v, 5, 8, 2, slots="decode", seed=2))
+    cache = next(key for key in ("k_cache", "kv_cache") if check.args.get(key) is not None)
+
+    def scribbles(**a):
+        reference_qknorm_rope_cache(**a)
+        a[cache].view(torch.uint8).zero_()  # a decode of 5 tokens leaves most pages unaddressed
+
+    with pytest.raises(AssertionError, match=f"^{cache}: element .* is not addressed but was written"):
+        check(scribbles)
+    stats = check(reference_qknorm_rope_cache)
+    assert all(s["identical"] == 1.0 for s in stats.values())

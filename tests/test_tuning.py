@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from benchmarks.tune import choose, launches, ranges, v_place
+from benchmarks.tune import choose, launches, ranges, shapes, timings
 from codegen.layout import max_lanes_per_thread, v_transposed
 from codegen.paths import TUNED
 from runtime.abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
@@ -88,8 +88,19 @@ def test_two_tables_for_one_device_are_an_error(tmp_path):
 def test_the_tuner_keeps_the_default_unless_another_launch_is_clearly_faster():
     default = DEFAULT.resolved(1024, v_transposed=True)
     other = Launch(1 if default.depth != 1 else 2, default.tile, default.v_loop)
-    assert choose({default: 10.0, other: 9.9}, default) == default
-    assert choose({default: 10.0, other: 9.0}, default) == other
+    assert choose({"tp1": {default: 10.0, other: 9.9}}, default) == default
+    assert choose({"tp1": {default: 10.0, other: 9.0}}, default) == other
+
+
+def test_one_launch_serves_every_tp_of_a_variant_so_the_tuner_minimizes_the_worst_slowdown():
+    """Session 21's tune at TP8 alone took depth 2, tile 4 for sglang at 1024 tokens (3.32
+    against 3.43 µs), which ran 5.94 µs at TP4 against 5.17 at depth 1, tile 2."""
+    d2t4, d1t2 = Launch(2, 4, V_LOOP_DEFAULT, 1), Launch(1, 2, V_LOOP_DEFAULT, 1)
+    assert choose({"tp8": {d2t4: 3.32, d1t2: 3.43}}, d1t2) == d2t4
+    assert choose({"tp8": {d2t4: 3.32, d1t2: 3.43}, "tp4": {d2t4: 5.94, d1t2: 5.17}}, d2t4) == d1t2
+    variants = {v.num_kv_heads: v for v in spec().variants}
+    assert shapes(variants[1]) == [4, 8] and shapes(variants[4]) == [1]
+    assert timings(variants[1]) == 2 * len(launches(variants[1]))
 
 
 def test_defaults_resolve_as_the_library_does():
@@ -152,50 +163,126 @@ def test_the_tuner_splits_ranges_between_measured_counts_and_merges_equal_ones()
 
 def test_the_v_place_is_the_one_with_the_smaller_worse_slowdown_over_both_slot_patterns():
     off, on = Launch(1, 2, V_LOOP_OFF), Launch(2, 2, V_LOOP_ON)
+
+    def place(prefill, decode, current):
+        return choose({"tp1": prefill, "tp1-decode": decode}, current)
     # prefill 6% faster in the V loop, decode 1.31x faster in the main loop: the main loop
-    assert v_place({off: 50.5, on: 47.6}, {off: 89.0, on: 117.0}, on) == off
+    assert place({off: 50.5, on: 47.6}, {off: 89.0, on: 117.0}, on) == off
     # prefill 2.1x faster in the V loop: the V loop, though decodes lose 1.31x
-    assert v_place({off: 99.3, on: 47.6}, {off: 89.0, on: 117.0}, off) == on
+    assert place({off: 99.3, on: 47.6}, {off: 89.0, on: 117.0}, off) == on
     # worse slowdowns 1.030 (main loop) and 1.011 (V loop): within the margin, the current stays
-    assert v_place({off: 103.0, on: 100.0}, {off: 100.0, on: 101.1}, off) == off
-    assert v_place({off: 103.0, on: 100.0}, {off: 100.0, on: 101.1}, on) == on
+    assert place({off: 103.0, on: 100.0}, {off: 100.0, on: 101.1}, off) == off
+    assert place({off: 103.0, on: 100.0}, {off: 100.0, on: 101.1}, on) == on
+    # only launches timed in every pattern compete; a prefill's slowdown is against its fastest
+    other = Launch(2, 4, V_LOOP_ON)
+    assert place({off: 50.5, on: 47.6, other: 40.0}, {off: 89.0, on: 117.0}, on) == off
 
 
-def test_the_tuner_resumes_a_run_cut_short_and_retimes_what_was_rebuilt(tmp_path, monkeypatch, capsys):
+def _fake_tuner(monkeypatch):
+    """tune.main without a GPU: every launch of a count takes 1 s of a fake clock and times
+    the same, so each pick is the default. Returns the (uri, tokens) measured, in order."""
     import benchmarks.tune as tune
 
     monkeypatch.setenv("KVFORGE_ARCH", "sm_90")
     monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda *a: "GPU X")
     monkeypatch.setattr(tune.build, "build_many", lambda *a, **k: None)
-    timed, cut_at = [], [3]
+    clock, timed = [0.0], []
+    monkeypatch.setattr(tune.time, "monotonic", lambda: clock[0])
 
-    def tune_variant(v, tokens):
-        timed.append(v.uri)
-        if len(timed) == cut_at[0]:
+    def measure_count(v, tokens):
+        timed.append((v.uri, tokens))
+        if len(timed) == getattr(measure_count, "cut_at", None):
             raise KeyboardInterrupt  # the device call's time ran out
-        return [[None, 1, 2, V_LOOP_OFF if v_transposed(v) else V_LOOP_DEFAULT, 1]], {"1": {}}
+        clock[0] += timings(v)
+        return {f"tp{tp}": {tune._key(launch): 10.0 for launch in launches(v)} for tp in shapes(v)}
 
-    monkeypatch.setattr(tune, "tune_variant", tune_variant)
-    argv = ["tune.py", "--out", str(tmp_path), "--tokens", "1"]
+    monkeypatch.setattr(tune, "measure_count", measure_count)
+    return tune, measure_count, timed
+
+
+def test_the_tuner_resumes_a_run_cut_short_and_retimes_what_was_rebuilt(tmp_path, monkeypatch, capsys):
+    tune, measure_count, timed = _fake_tuner(monkeypatch)
+    argv = ["tune.py", "--out", str(tmp_path), "--tokens", "1,16"]
     monkeypatch.setattr("sys.argv", argv)
+    measure_count.cut_at = 4  # in the second variant's second count
     with pytest.raises(KeyboardInterrupt):
         tune.main()
-    partial, done = tmp_path / "h200.json.partial", timed[:2]
-    assert sorted(json.loads(partial.read_text())["choices"]) == sorted(done)
+    partial = json.loads((tmp_path / "h200.json.partial").read_text())
+    first, second = timed[0][0], timed[2][0]
+    assert list(partial["choices"]) == [first]
+    assert partial["measured_us"][second].keys() == {"1"}  # the count finished before the cut is kept
     with pytest.raises(SystemExit):
         tune.main()  # without --resume it would throw the run away
     assert "holds a run cut short: pass --resume to continue it, or remove it" in capsys.readouterr().err
 
     key = tune.build.cache_key
     monkeypatch.setattr(tune.build, "cache_key",  # the first variant's kernel changed since
-                        lambda source, tc: "new" if done[0] in source else key(source, tc))
+                        lambda source, tc: "new" if first in source else key(source, tc))
     monkeypatch.setattr("sys.argv", argv + ["--resume"])
     timed.clear()
-    cut_at[0] = None
+    measure_count.cut_at = None
     assert tune.main() == 0
-    assert done[0] in timed and done[1] not in timed and len(timed) == len(tune.CONFIGS) * 2 - 1
-    assert not partial.exists()
+    assert "resuming: 0 variants and 1 counts of others from" in capsys.readouterr().out
+    assert timed[:3] == [(first, 1), (first, 16), (second, 16)]
+    assert len(timed) == len(tune.CONFIGS) * 2 * 2 - 1
+    assert not (tmp_path / "h200.json.partial").exists()
     assert len(load(tmp_path / "h200.json").choices) == len(tune.CONFIGS) * 2
+
+
+def test_the_tuner_stops_before_a_count_it_could_not_finish_within_its_budget(tmp_path, monkeypatch, capsys):
+    """Each count's estimate is the most seconds a launch took at that count so far."""
+    tune, _, timed = _fake_tuner(monkeypatch)
+    tuned = sorted({tune.find_variant(axes, nkv) for axes in tune.CONFIGS.values() for nkv in (1, 4)},
+                   key=lambda v: v.uri)
+    seconds = [timings(v) for v in tuned]  # 1 s a launch on the fake clock
+    budget = sum(seconds[:3]) - 1  # the third variant, at the 1 s a launch the first two took, does not fit
+    monkeypatch.setattr("sys.argv", ["tune.py", "--out", str(tmp_path), "--tokens", "1", "--budget-s", str(budget)])
+    assert tune.main() == 3
+    assert [uri for uri, _ in timed] == [tuned[0].uri, tuned[1].uri]
+    assert (f"stopping within --budget-s {budget} before {tuned[2].uri} T=1; " in capsys.readouterr().out)
+    assert len(json.loads((tmp_path / "h200.json.partial").read_text())["choices"]) == 2
+
+
+def test_the_tuner_picks_from_what_it_measured_alone():
+    """A table's choices follow from its measured_us: the 2% rule over the variant's TPs,
+    then V's place over them and the decode-timed pair."""
+    from benchmarks.tune import _key
+    from benchmarks.tune import pick as tune_pick
+
+    v = next(v for v in spec().variants if v_transposed(v) and v.num_kv_heads == 1)
+    off, on = DEFAULT.resolved(1024, True)._replace(v_loop=V_LOOP_OFF), DEFAULT.resolved(1024, True)
+    assert on.v_loop == V_LOOP_ON
+    measured = {"tp4": {_key(launch): 100.0 for launch in launches(v)} | {_key(off): 97.0},
+                "tp8": {_key(launch): 50.0 for launch in launches(v)}}
+    assert tune_pick(v, 1024, measured) == off  # 3% faster at TP4, as fast at TP8
+    assert tune_pick(v, 1024, measured | {"tp8": measured["tp8"] | {_key(off): 51.5}}) == on  # 3% slower there
+    decode = {"tp4-decode": {_key(off): 120.0, _key(on): 100.0}, "tp8-decode": {_key(off): 60.0, _key(on): 50.0}}
+    assert tune_pick(v, 1024, measured | decode) == on  # the main loop's decodes are 1.2x slower
+
+
+def test_the_tuner_times_each_tp_then_the_decode_pair_where_v_is_transposed(monkeypatch):
+    """At 1024 tokens a 1-kv-head SHUFFLE variant is timed at TP4 and TP8; the prefills'
+    choice (the smallest worst slowdown, not the fastest at either TP) and the other V
+    place's best by the same measure are timed again with decode slots."""
+    import benchmarks.tune as tune
+
+    v = next(v for v in spec().variants if v_transposed(v) and v.num_kv_heads == 1)
+    steady, tp4_only = Launch(1, 2, V_LOOP_OFF, 1), Launch(2, 4, V_LOOP_ON, 1)
+    us = {steady: {4: 95.0, 8: 95.0}, tp4_only: {4: 90.0, 8: 100.0}, Launch(1, 4, V_LOOP_ON, 2): {4: 110.0, 8: 90.0}}
+    calls = []
+
+    def time_launches(v, tokens, candidates, tp, slots=None):
+        calls.append((tp, slots, len(candidates)))
+        return {x: us.get(x, {}).get(tp, 105.0) for x in candidates}
+
+    monkeypatch.setattr(tune, "time_launches", time_launches)
+    measured = tune.measure_count(v, 1024)
+    n = len(launches(v))
+    assert calls == [(4, None, n), (8, None, n), (4, "decode", 2), (8, "decode", 2)]
+    assert set(measured) == {"tp4", "tp8", "tp4-decode", "tp8-decode"}
+    # worst slowdowns: steady 95/90, tp4_only 100/90, the TP8-fastest 110/90, the rest 105/90
+    assert tune.pick(v, 1024, {k: measured[k] for k in ("tp4", "tp8")}) == steady
+    assert set(measured["tp4-decode"]) == set(measured["tp8-decode"]) == {tune._key(steady), tune._key(tp4_only)}
 
 
 def test_stored_tables_load_and_name_listed_variants():
@@ -210,6 +297,20 @@ def test_stored_tables_load_and_name_listed_variants():
             places = {launch.v_loop for _, launch in entries}
             assert places <= ({V_LOOP_OFF, V_LOOP_ON} if v_transposed(v) else {V_LOOP_DEFAULT}), uri
             assert max(launch.lanes for _, launch in entries) <= max_lanes_per_thread(v.head_dim, v.rotary_dim), uri
+
+
+def test_stored_tables_choices_follow_from_their_measured_times():
+    from benchmarks.tune import TUNER_FORMAT
+    from benchmarks.tune import pick as tune_pick
+
+    variants = {v.uri: v for v in spec().variants}
+    for path in sorted(TUNED.glob("*.json")):
+        raw = json.loads(path.read_text())
+        assert raw.get("tuner") == TUNER_FORMAT, path
+        for uri, measured in raw["measured_us"].items():
+            counts = sorted(map(int, measured))
+            assert ranges([(t, tune_pick(variants[uri], t, measured[str(t)])) for t in counts]) == \
+                raw["choices"][uri], (path, uri)
 
 
 def test_the_scripts_build_their_rotating_input_sets():
