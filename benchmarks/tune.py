@@ -27,11 +27,12 @@ whatever the depth, so there the depths time the same kernel and the 2% rule kee
 default.
 
 Each count's times go to <name>.json.partial as it is measured; --resume takes what it
-finds there for variants whose build is unchanged (same command, device and torch) and
-times only the rest. A run cut short leaves that file; another run refuses to overwrite it.
---budget-s stops the run before a count it could not finish in that many seconds from its
-start (judged by the most seconds a launch took at that count so far), leaving the file
-for --resume: a tune may take longer than one device call. The choices follow from
+finds there for variants whose build is unchanged (same command, device, torch, ABI and
+tuner format) and times only the rest. A run cut short leaves that file; another run refuses to overwrite it.
+--budget-s stops the run (exit status 3) before a count it could not finish in that many
+seconds from its start, judged by the most seconds a launch took at that count and TPs so
+far (a count's first measurement is not guarded), leaving the file for --resume: a tune
+may take longer than one device call. The choices follow from
 the measured times alone (`pick`), so the table's measured_us re-derive its choices.
 """
 from __future__ import annotations
@@ -82,16 +83,16 @@ def launches(v) -> list[Launch]:
             for n in lanes]
 
 
-def shapes(v) -> list[int]:
+def tps(v) -> list[int]:
     """The TPs of bench.py whose kv-head count is the variant's (4: TP1; 1: TP4 and TP8).
     The table is keyed by token count alone, so one launch serves each of them; a variant
     of another kv-head count is timed with TP8's q and index heads."""
     return [tp for tp, (_, nkv, _) in TP.items() if nkv == v.num_kv_heads] or [8]
 
 
-def timings(v) -> int:
+def launches_per_count(v) -> int:
     """Launches timed per count, decodes aside: the unit of --budget-s's estimate."""
-    return len(launches(v)) * len(shapes(v))
+    return len(launches(v)) * len(tps(v))
 
 
 def time_launches(v, tokens: int, candidates: list[Launch], tp: int,
@@ -108,7 +109,7 @@ def time_launches(v, tokens: int, candidates: list[Launch], tp: int,
         check(lambda **a: launch_with(launch, **a)())
         calls = [launch_with(launch, **s) for s in sets]
         out[launch] = round(graph_us([calls[i % n_sets] for i in range(n_calls)]), 3)
-    del sets, check
+    del sets, check, calls
     torch.cuda.empty_cache()
     return out
 
@@ -126,7 +127,7 @@ def choose(patterns: Patterns, current: Launch) -> Launch:
     `current` (one of them) unless another's is more than MARGIN smaller. With one pattern,
     the fastest unless `current` is within MARGIN of it."""
     timed = [launch for launch in next(iter(patterns.values())) if all(launch in t for t in patterns.values())]
-    best = min(timed, key=lambda launch: worst(patterns, launch))
+    best = min(timed, key=lambda launch: (worst(patterns, launch), launch))  # ties: the same in any order
     return best if worst(patterns, best) < (1 - MARGIN) * worst(patterns, current) else current
 
 
@@ -135,12 +136,12 @@ def measure_count(v, tokens: int) -> dict[str, dict[str, float]]:
     ("tp8", slots as bench.py sets them); where V is transposed and the count may be a
     decode, also the prefills' pick and the other V place's best with decode slots
     ("tp8-decode")."""
-    prefill = {f"tp{tp}": time_launches(v, tokens, launches(v), tp) for tp in shapes(v)}
+    prefill = {f"tp{tp}": time_launches(v, tokens, launches(v), tp) for tp in tps(v)}
     out = {name: {_key(launch): us for launch, us in times.items()} for name, times in prefill.items()}
     if v_transposed(v) and DECODE_UP_TO < tokens <= DECODE_MAX_TOKENS:
         first = choose(prefill, DEFAULT.resolved(tokens, True))
-        other = min((x for x in launches(v) if x.v_loop != first.v_loop), key=lambda x: worst(prefill, x))
-        for tp in shapes(v):
+        other = min((x for x in launches(v) if x.v_loop != first.v_loop), key=lambda x: (worst(prefill, x), x))
+        for tp in tps(v):
             out[f"tp{tp}-decode"] = {_key(launch): us for launch, us in
                                      time_launches(v, tokens, [first, other], tp, "decode").items()}
     return out
@@ -225,7 +226,8 @@ def main() -> int:
               f"{sum(len(table['measured_us'][uri]) for uri in kept if uri not in table['choices'])} counts "
               f"of others from {partial}" + (f" ({changed} variants re-timed: their builds changed)" if changed else ""),
               flush=True)
-    per_launch: dict[int, float] = {}  # the most seconds a launch took at a count: --budget-s's estimate
+    # The most seconds a launch took at a count and TPs so far: --budget-s's estimate.
+    s_per_launch: dict[tuple, float] = {}
     for v in variants:
         if v.uri in table["choices"]:
             continue
@@ -233,14 +235,15 @@ def main() -> int:
         for t in tokens:
             if str(t) in measured:
                 continue
-            began = time.monotonic()
-            if args.budget_s is not None and began - start + per_launch.get(t, 0.0) * timings(v) > args.budget_s:
+            began, seen = time.monotonic(), (t, tuple(tps(v)))
+            estimate = s_per_launch.get(seen, 0.0) * launches_per_count(v)
+            if args.budget_s is not None and began - start + estimate > args.budget_s:
                 print(f"stopping within --budget-s {args.budget_s:g} before {v.uri} T={t}; {partial} holds "
                       "what was measured: continue with --resume", flush=True)
                 return 3
             measured[str(t)] = measure_count(v, t)
             build.write_if_different(partial, json.dumps(table, indent=1, sort_keys=True) + "\n")
-            per_launch[t] = max(per_launch.get(t, 0.0), (time.monotonic() - began) / timings(v))
+            s_per_launch[seen] = max(s_per_launch.get(seen, 0.0), (time.monotonic() - began) / launches_per_count(v))
             chosen = pick(v, t, measured[str(t)])
             for name, times in measured[str(t)].items():
                 print(f"{v.uri} T={t} {name}: " + "  ".join(f"{key} {us:.2f} us" for key, us in times.items()))

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from benchmarks.tune import choose, launches, ranges, shapes, timings
+from benchmarks.tune import choose, launches, launches_per_count, ranges, tps
 from codegen.layout import max_lanes_per_thread, v_transposed
 from codegen.paths import TUNED
 from runtime.abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
@@ -99,8 +99,8 @@ def test_one_launch_serves_every_tp_of_a_variant_so_the_tuner_minimizes_the_wors
     assert choose({"tp8": {d2t4: 3.32, d1t2: 3.43}}, d1t2) == d2t4
     assert choose({"tp8": {d2t4: 3.32, d1t2: 3.43}, "tp4": {d2t4: 5.94, d1t2: 5.17}}, d2t4) == d1t2
     variants = {v.num_kv_heads: v for v in spec().variants}
-    assert shapes(variants[1]) == [4, 8] and shapes(variants[4]) == [1]
-    assert timings(variants[1]) == 2 * len(launches(variants[1]))
+    assert tps(variants[1]) == [4, 8] and tps(variants[4]) == [1]
+    assert launches_per_count(variants[1]) == 2 * len(launches(variants[1]))
 
 
 def test_defaults_resolve_as_the_library_does():
@@ -173,9 +173,12 @@ def test_the_v_place_is_the_one_with_the_smaller_worse_slowdown_over_both_slot_p
     # worse slowdowns 1.030 (main loop) and 1.011 (V loop): within the margin, the current stays
     assert place({off: 103.0, on: 100.0}, {off: 100.0, on: 101.1}, off) == off
     assert place({off: 103.0, on: 100.0}, {off: 100.0, on: 101.1}, on) == on
-    # only launches timed in every pattern compete; a prefill's slowdown is against its fastest
+    # only launches timed in every pattern compete, and a prefill's slowdown is against its
+    # fastest launch: 1.25 (main loop) against 1.2 and 1.03, where against the pair's faster
+    # the V loop's 1.03 would be within the margin of the main loop's 1.042
     other = Launch(2, 4, V_LOOP_ON)
     assert place({off: 50.5, on: 47.6, other: 40.0}, {off: 89.0, on: 117.0}, on) == off
+    assert place({off: 50.0, on: 48.0, other: 40.0}, {off: 100.0, on: 103.0}, off) == on
 
 
 def _fake_tuner(monkeypatch):
@@ -193,8 +196,8 @@ def _fake_tuner(monkeypatch):
         timed.append((v.uri, tokens))
         if len(timed) == getattr(measure_count, "cut_at", None):
             raise KeyboardInterrupt  # the device call's time ran out
-        clock[0] += timings(v)
-        return {f"tp{tp}": {tune._key(launch): 10.0 for launch in launches(v)} for tp in shapes(v)}
+        clock[0] += launches_per_count(v)
+        return {f"tp{tp}": {tune._key(launch): 10.0 for launch in launches(v)} for tp in tps(v)}
 
     monkeypatch.setattr(tune, "measure_count", measure_count)
     return tune, measure_count, timed
@@ -234,8 +237,8 @@ def test_the_tuner_stops_before_a_count_it_could_not_finish_within_its_budget(tm
     tune, _, timed = _fake_tuner(monkeypatch)
     tuned = sorted({tune.find_variant(axes, nkv) for axes in tune.CONFIGS.values() for nkv in (1, 4)},
                    key=lambda v: v.uri)
-    seconds = [timings(v) for v in tuned]  # 1 s a launch on the fake clock
-    budget = sum(seconds[:3]) - 1  # the third variant, at the 1 s a launch the first two took, does not fit
+    seconds = [launches_per_count(v) for v in tuned]  # 1 s a launch on the fake clock
+    budget = sum(seconds[:3]) - 1  # the third, at the 1 s a launch the first of its TPs took, does not fit
     monkeypatch.setattr("sys.argv", ["tune.py", "--out", str(tmp_path), "--tokens", "1", "--budget-s", str(budget)])
     assert tune.main() == 3
     assert [uri for uri, _ in timed] == [tuned[0].uri, tuned[1].uri]
@@ -283,6 +286,8 @@ def test_the_tuner_times_each_tp_then_the_decode_pair_where_v_is_transposed(monk
     # worst slowdowns: steady 95/90, tp4_only 100/90, the TP8-fastest 110/90, the rest 105/90
     assert tune.pick(v, 1024, {k: measured[k] for k in ("tp4", "tp8")}) == steady
     assert set(measured["tp4-decode"]) == set(measured["tp8-decode"]) == {tune._key(steady), tune._key(tp4_only)}
+    # the decodes (the fake times them as the prefills) keep the choice
+    assert tune.pick(v, 1024, measured) == steady
 
 
 def test_stored_tables_load_and_name_listed_variants():
