@@ -218,7 +218,7 @@ class ReferenceCheck:
         for invert in (False, True):
             ref = _copy_args(self.args, ref_device, invert)
             reference_qknorm_rope_cache(**ref)
-            self._refs.append({key: ref[key] for key in MUTABLE if ref.get(key) is not None})  # the inputs' copies go
+            self._refs.append({key: ref[key] for key in MUTABLE if ref.get(key) is not None})  # the inputs' copies freed
 
     def __call__(self, run) -> dict:
         """Run `run(**args)` on the poisoned outputs; per-tensor statistics (see `compare`)."""
