@@ -28,11 +28,11 @@ default.
 
 Each count's times go to <name>.json.partial as it is measured; --resume takes what it
 finds there for variants whose build is unchanged (same command, device, torch, ABI and
-tuner format) and times only the rest. A run cut short leaves that file; another run refuses to overwrite it.
---budget-s stops the run (exit status 3) before a count it could not finish in that many
-seconds from its start, judged by the most seconds a launch took at that count and TPs so
-far (a count's first measurement is not guarded), leaving the file for --resume: a tune
-may take longer than one device call. The choices follow from
+tuner format) and times only the rest. A run cut short leaves that file; another run
+refuses to overwrite it. --budget-s stops the run (exit status 3) before a count it could
+not finish in that many seconds from its start, judged by the most seconds a launch took
+at that count and TPs so far (a count's first measurement is not guarded), leaving the
+file for --resume: a tune may take longer than one device call. The choices follow from
 the measured times alone (`pick`), so the table's measured_us re-derive its choices.
 """
 from __future__ import annotations
