@@ -1,5 +1,6 @@
 """Every variant in variants.yaml against the reference on the GPU (SPEC §6)."""
 import dataclasses
+import functools
 import zlib
 
 import pytest
@@ -11,7 +12,8 @@ from runtime import build, fused_qknorm_rope_cache, toolchain
 from runtime.abi import V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON
 from runtime.api import launch_with
 from runtime.registry import spec, source_of
-from runtime.testing import check_against_reference, make_inputs, poison, v_loop_tokens, with_outputs
+from runtime.testing import (ReferenceCheck, check_against_reference, make_inputs, poison, v_loop_tokens,
+                             with_outputs)
 from runtime.tuning import Launch, TuningError
 
 pytestmark = pytest.mark.gpu
@@ -30,15 +32,6 @@ CASES = [
 ]
 
 
-# Every launch configuration a tuned table may pick for each variant (the tuner's list:
-# depths, tiles, lanes per thread and, where V is transposed, V in the main loop and in
-# the V loop).
-def _launch_param(v, launch):
-    return pytest.param(v, launch, id=f"{v.uri}-depth{launch.depth}-tile{launch.tile}-vloop{launch.v_loop}"
-                                      f"-lanes{launch.lanes}")
-
-
-VARIANT_LAUNCHES = [_launch_param(v, launch) for v in VARIANTS for launch in launches(v)]
 # Calls every launch configuration runs: (tokens, q heads, slots, padded tokens,
 # slot-mapping length). 3999 tokens of 8 q heads run a thread's pipeline through several
 # tokens, each launch's grid being one wave (an H200 holds 3 x 132 blocks of 256 threads of
@@ -51,9 +44,31 @@ VARIANT_LAUNCHES = [_launch_param(v, launch) for v in VARIANTS for launch in lau
 # fewer blocks of 256 than an H200 has SMs, so a launch of one lane per thread takes smaller
 # blocks (64 threads at head_dim 64 and 128; few enough that blocks of 64 still number
 # fewer than the SMs).
-LAUNCH_CALLS = [pytest.param(3999, 8, "prefill", 7, 3990, id="t3999-prefill"),
-                pytest.param(201, 64, "decode", 5, 198, id="t201-tp1-decode"),
-                pytest.param(11, 64, "decode", 2, 9, id="t11-tp1-decode-small-blocks")]
+LAUNCH_CALLS = {"t3999-prefill": (3999, 8, "prefill", 7, 3990),
+                "t201-tp1-decode": (201, 64, "decode", 5, 198),
+                "t11-tp1-decode-small-blocks": (11, 64, "decode", 2, 9)}
+
+
+def _launch_params(keep=lambda launch: True):
+    """(variant, call, launch) for every launch configuration a tuned table may pick for
+    each variant (the tuner's list: depths, tiles, lanes per thread and, where V is
+    transposed, V in the main loop and in the V loop) that `keep` keeps, on every call of
+    LAUNCH_CALLS; a variant's launches of one call are adjacent, so they share one
+    reference (`_reference`)."""
+    return [pytest.param(v, call, launch, id=f"{v.uri}-{call}-depth{launch.depth}-tile{launch.tile}"
+                                             f"-vloop{launch.v_loop}-lanes{launch.lanes}")
+            for v in VARIANTS for call in LAUNCH_CALLS for launch in launches(v) if keep(launch)]
+
+
+@functools.lru_cache(maxsize=1)
+def _reference(variant, call: str, seed: int) -> ReferenceCheck:
+    """The inputs of LAUNCH_CALLS[call] for the variant and their reference, computed once
+    for all its launches (the reference and the poison took most of these tests' time)."""
+    tokens, nq, slots, pad, num_slots = LAUNCH_CALLS[call]
+    niq = 0 if variant.index_mode is IndexMode.NONE else 2
+    args = make_inputs(variant, tokens, nq, niq, slots=slots, pad=pad, device="cuda", seed=seed,
+                       cos_sin="random", num_slots=num_slots)
+    return ReferenceCheck(args, ref_device="cuda")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -83,18 +98,14 @@ def test_variant_matches_reference(variant, tokens, nq, niq, slots, pad, opts):
     assert stats["q_out"]["addressed"] == tokens * nq * variant.head_dim
 
 
-@pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", LAUNCH_CALLS)
-@pytest.mark.parametrize("variant,launch", VARIANT_LAUNCHES)
-def test_every_launch_configuration_matches_reference(variant, launch, tokens, nq, slots, pad, num_slots):
+@pytest.mark.parametrize("variant,call,launch", _launch_params())
+def test_every_launch_configuration_matches_reference(variant, call, launch):
     """The tuned table may pick any depth a library holds, any tile and either place for
     a transposed V, for any token count (LAUNCH_CALLS): each thread runs the pipeline
     through several tokens, or a call takes blocks smaller than 256 threads; the last
     tokens padded, past the slots, or alone in their tile (3999, 201 and 11 tokens leave
     1 or 3 in the last tile of 2 or 4)."""
-    niq = 0 if variant.index_mode is IndexMode.NONE else 2
-    args = make_inputs(variant, tokens, nq, niq, slots=slots, pad=pad, device="cuda", seed=21,
-                       cos_sin="random", num_slots=num_slots)
-    check_against_reference(args, lambda **a: launch_with(launch, **a)(), ref_device="cuda")
+    _reference(variant, call, 21)(lambda **a: launch_with(launch, **a)())
 
 
 @pytest.fixture(scope="module")
@@ -109,23 +120,13 @@ def register_pipeline():
 
 # AMD's pipeline at two lanes per thread: its row FIFO holds four chunks instead of two, the
 # same code at every tile, so one tile (every depth and V place).
-REGISTER_LAUNCHES = [_launch_param(v, launch) for v in VARIANTS for launch in launches(v)
-                     if launch.lanes == 1 or launch.tile == 2]
-
-
-@pytest.mark.parametrize("tokens,nq,slots,pad,num_slots", LAUNCH_CALLS)
-@pytest.mark.parametrize("variant,launch", REGISTER_LAUNCHES)
-def test_register_pipeline_matches_reference(variant, launch, tokens, nq, slots, pad, num_slots,
-                                             register_pipeline):
+@pytest.mark.parametrize("variant,call,launch", _launch_params(lambda launch: launch.lanes == 1 or launch.tile == 2))
+def test_register_pipeline_matches_reference(variant, call, launch, register_pipeline):
     """AMD's pipeline, run on the calls above (several tokens per thread, small blocks):
     the last tokens padded, past the slots, or past the end, where its row loads repeat
     the last row; a SHUFFLE V written in the main loop stored lane by lane, as AMD does
     (no staging without cp.async)."""
-    niq = 0 if variant.index_mode is IndexMode.NONE else 2
-    args = make_inputs(variant, tokens, nq, niq, slots=slots, pad=pad, device="cuda", seed=22,
-                       cos_sin="random", num_slots=num_slots)
-    check_against_reference(args, lambda **a: launch_with(launch, register_pipeline, **a)(),
-                            ref_device="cuda")
+    _reference(variant, call, 22)(lambda **a: launch_with(launch, register_pipeline, **a)())
 
 
 def test_two_lanes_per_thread_are_refused_where_the_variant_has_one():
