@@ -18,6 +18,51 @@ def _fmt(x, spec=".1f"):
     return "–" if x is None else format(x, spec)
 
 
+def _pct(r: dict) -> str:
+    return f"{r['pct_copy']:.1f}%"
+
+
+def _us(r: dict) -> str:
+    return f"{r['us']:.2f} µs"
+
+
+def _times(peer: str):
+    return lambda r: f"{r[peer] / r['us']:.1f}×" if r.get(peer) else "–"
+
+
+# Issue 3's "done when", case by case: (target, the cases it covers, whether a case meets
+# it, the case's figure). A peer not timed in a case (–) counts as missed.
+TARGETS = (
+    ("≥ 8192 tokens: ≥ 85% of the copy", lambda r: r["tokens"] >= 8192, lambda r: r["pct_copy"] >= 85, _pct),
+    ("1024 tokens, TP1: ≥ 75% of the copy", lambda r: r["tokens"] == 1024 and r["tp"] == 1,
+     lambda r: r["pct_copy"] >= 75, _pct),
+    ("1024 tokens, TP8: ≥ 40% of the copy", lambda r: r["tokens"] == 1024 and r["tp"] == 8,
+     lambda r: r["pct_copy"] >= 40, _pct),
+    ("≤ 16 tokens: ≤ 2.0 µs", lambda r: r["tokens"] <= 16, lambda r: r["us"] <= 2.0, _us),
+    ("128 tokens, TP1: ≤ 3.5 µs", lambda r: r["tokens"] == 128 and r["tp"] == 1, lambda r: r["us"] <= 3.5, _us),
+    ("128 tokens, TP8: ≤ 2.5 µs", lambda r: r["tokens"] == 128 and r["tp"] == 8, lambda r: r["us"] <= 2.5, _us),
+    ("≥ 1024 tokens: ≥ 3× `torch.compile`", lambda r: r["tokens"] >= 1024,
+     lambda r: bool(r.get("compile_us")) and r["compile_us"] >= 3 * r["us"], _times("compile_us")),
+    ("≥ 1024 tokens: ≥ 15× eager", lambda r: r["tokens"] >= 1024,
+     lambda r: bool(r.get("eager_us")) and r["eager_us"] >= 15 * r["us"], _times("eager_us")),
+)
+HOST_TARGET_US = 15.0
+
+
+def _targets(result: dict) -> list[str]:
+    lines = ["### Targets (issue 3) in this run", "", "| target | cases met | missed |", "|---|---:|---|"]
+    for target, covers, meets, figure in TARGETS:
+        cases = [r for r in result["records"] if covers(r)]
+        if not cases:
+            continue
+        missed = [f"{r['config']} TP{r['tp']} {r['tokens']}: {figure(r)}" for r in cases if not meets(r)]
+        lines.append(f"| {target} | {len(cases) - len(missed)} of {len(cases)} | {'; '.join(missed) or '–'} |")
+    host = result["host_overhead_us"]
+    lines += [f"| host overhead per eager call: ≤ {HOST_TARGET_US:g} µs | {int(host <= HOST_TARGET_US)} of 1 | "
+              f"{'–' if host <= HOST_TARGET_US else f'{host:.1f} µs'} |", ""]
+    return lines
+
+
 def _run_section(name: str, result: dict) -> list[str]:
     lines = [
         f"## Run `{name}.json`",
@@ -50,6 +95,7 @@ def _run_section(name: str, result: dict) -> list[str]:
         lines += [f"- a peer failed here (its column shows –): `{e[:200]}`"]
     if errors:
         lines.append("")
+    lines += _targets(result)
     recs = result["records"]
     for config in dict.fromkeys(r["config"] for r in recs):
         lines += [f"### {config}", "",
