@@ -33,8 +33,9 @@ Each count's times go to <name>.json.partial as it is measured; --resume takes w
 finds there for variants whose build is unchanged (same command, device, torch, ABI and
 tuner format) and times only the rest. A run cut short leaves that file; another run
 refuses to overwrite it. --budget-s stops the run (exit status 3) before a count it could
-not finish in that many seconds from its start, judged by the most seconds a launch took
-at that count and TPs so far (a count's first measurement is not guarded), leaving the
+not finish in that many seconds from its start, judged by the most seconds per launch of
+its sweep (confirm round and decodes included) at that count and TPs so far (a count's
+first measurement is not guarded; the confirm round's size varies), leaving the
 file for --resume: a tune may take longer than one device call. The choices follow from
 the measured times alone (`pick`), so the table's measured_us re-derive its choices.
 """
@@ -95,7 +96,8 @@ def tps(v) -> list[int]:
 
 
 def launches_per_count(v) -> int:
-    """Launches timed per count, decodes aside: the unit of --budget-s's estimate."""
+    """Launches a count's sweep times (the confirm round and decodes aside): --budget-s's
+    estimate is seconds per such launch, a count's whole time over them."""
     return len(launches(v)) * len(tps(v))
 
 
@@ -121,6 +123,10 @@ def time_launches(v, tokens: int, candidates: list[Launch], tp: int,
 Patterns = dict[str, dict[Launch, float]]  # µs by launch, per pattern ("tp8", "tp8-decode")
 
 
+def _timed_in_every(patterns: Patterns) -> list[Launch]:
+    return [launch for launch in next(iter(patterns.values())) if all(launch in t for t in patterns.values())]
+
+
 def worst(patterns: Patterns, launch: Launch) -> float:
     """The launch's largest slowdown against the fastest launch timed in the same pattern."""
     return max(times[launch] / min(times.values()) for times in patterns.values())
@@ -130,25 +136,24 @@ def choose(patterns: Patterns, current: Launch) -> Launch:
     """Of the launches timed in every pattern, the one whose worst slowdown is smallest;
     `current` (one of them) unless another's is more than MARGIN smaller. With one pattern,
     the fastest unless `current` is within MARGIN of it."""
-    timed = [launch for launch in next(iter(patterns.values())) if all(launch in t for t in patterns.values())]
-    best = min(timed, key=lambda launch: (worst(patterns, launch), launch))  # ties: the same in any order
+    best = min(_timed_in_every(patterns), key=lambda launch: (worst(patterns, launch), launch))  # ties: any order
     return best if worst(patterns, best) < (1 - MARGIN) * worst(patterns, current) else current
 
 
 def finalists(patterns: Patterns, current: Launch, within: float) -> list[Launch]:
     """The launches timed in every pattern whose worst slowdown is within `within` of the
     smallest, and `current`: those `choose` could take if their times moved by that much."""
-    timed = [launch for launch in next(iter(patterns.values())) if all(launch in t for t in patterns.values())]
+    timed = _timed_in_every(patterns)
     best = min(worst(patterns, launch) for launch in timed)
     return sorted({launch for launch in timed if worst(patterns, launch) <= (1 + within) * best} | {current})
 
 
-def measure_count(v, tokens: int, confirm_within: float = 0.0) -> dict[str, dict[str, float]]:
+def measure_count(v, tokens: int, confirm_within: float) -> dict[str, dict[str, float]]:
     """µs by launch key (`_key`) per pattern: every launch at each of the variant's TPs
     ("tp8", slots as bench.py sets them), the `finalists` within `confirm_within` timed
     again (new buffers, reverse order) keeping each one's faster time; where V is
     transposed and the count may be a decode, also the prefills' pick and the other V
-    place's best with decode slots ("tp8-decode")."""
+    place's best with decode slots ("tp8-decode"), timed once."""
     current = DEFAULT.resolved(tokens, v_transposed(v))
     prefill = {f"tp{tp}": time_launches(v, tokens, launches(v), tp) for tp in tps(v)}
     again = finalists(prefill, current, confirm_within) if confirm_within > 0 else []
@@ -220,14 +225,14 @@ def main() -> int:
     else:
         variants = sorted({find_variant(axes, nkv) for axes in CONFIGS.values() for nkv in (1, 4)},
                           key=lambda v: v.uri)
-    tc = toolchain.default()
-    jobs = [build.Job(v.uri, source_of(v)) for v in variants]
-    build.build_many(jobs, tc)
     tokens = sorted(map(int, args.tokens.split(",")))
     if len(set(tokens)) != len(tokens) or tokens[0] < 1:
         ap.error(f"--tokens: expected distinct positive counts, got {args.tokens}")
     if not args.confirm_within >= 0:
         ap.error(f"--confirm-within: expected a fraction >= 0, got {args.confirm_within:g}")
+    tc = toolchain.default()
+    jobs = [build.Job(v.uri, source_of(v)) for v in variants]
+    build.build_many(jobs, tc)
     table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "abi": ABI_VERSION,
              "tuner": TUNER_FORMAT,
              "command": f"python benchmarks/tune.py --name {args.name} --tokens {args.tokens}"

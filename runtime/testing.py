@@ -204,8 +204,10 @@ def poison(args: dict, seed: int = 1) -> None:
 class ReferenceCheck:
     """The reference for one input set, run once, against which kernels are then checked:
     each check restores the outputs' and caches' poison, runs the kernel and compares
-    every byte (see `check_against_reference`). The tuner checks every launch of a
-    count this way: poisoning and the reference cost seconds a launch at 65536 tokens."""
+    every byte (see `check_against_reference`), and fails a kernel that wrote into one of
+    its inputs, whose next checks would run on changed inputs. The tuner checks every
+    launch of a count this way: poisoning and the reference cost seconds a launch at
+    65536 tokens."""
 
     def __init__(self, args: dict, seed: int = 1, ref_device="cpu"):
         from .api import reference_qknorm_rope_cache
@@ -214,6 +216,9 @@ class ReferenceCheck:
         poison(self.args, seed)
         bases = {id(_base(t)): _base(t) for key in MUTABLE if (t := self.args.get(key)) is not None}
         self._poisoned = [(base, base.clone()) for base in bases.values()]
+        inputs = {id(_base(t)): (key, _base(t)) for key, t in self.args.items()
+                  if isinstance(t, torch.Tensor) and id(_base(t)) not in bases}
+        self._inputs = [(key, base, base.clone()) for key, base in inputs.values()]
         self._refs = []
         for invert in (False, True):
             ref = _copy_args(self.args, ref_device, invert)
@@ -225,6 +230,10 @@ class ReferenceCheck:
         for base, saved in self._poisoned:
             base.copy_(saved)
         run(**self.args)
+        for key, base, saved in self._inputs:
+            if not torch.equal(base.view(torch.uint8), saved.view(torch.uint8)):
+                base.copy_(saved)
+                raise AssertionError(f"{key}: the kernel wrote into this input")
         return {key: compare(key, _base(self.args[key]), _base(self._refs[0][key]), _base(self._refs[1][key]))
                 for key in MUTABLE if self.args.get(key) is not None}
 

@@ -133,3 +133,20 @@ def test_a_reference_check_restores_the_poison_before_each_run():
         check(scribbles)
     stats = check(reference_qknorm_rope_cache)
     assert all(s["identical"] == 1.0 for s in stats.values())
+
+
+def test_a_reference_check_fails_a_kernel_that_writes_its_inputs():
+    """Its launches share the inputs: a run that wrote into one fails, and the next run
+    gets them back."""
+    from runtime.api import reference_qknorm_rope_cache
+    from runtime.testing import ReferenceCheck
+
+    check = ReferenceCheck(make_inputs(SPEC.variants[0], 5, 8, 2, slots="decode", seed=2))
+
+    def writes_positions(**a):
+        reference_qknorm_rope_cache(**a)
+        a["positions"][0] += 1
+
+    with pytest.raises(AssertionError, match="^positions: the kernel wrote into this input$"):
+        check(writes_positions)
+    assert all(s["identical"] == 1.0 for s in check(reference_qknorm_rope_cache).values())
