@@ -132,11 +132,16 @@ def build_and_load(job: Job, tc: Toolchain, load: Callable[[str], Loaded]) -> Lo
 
 def build_many(jobs: list[Job], tc: Toolchain, root: Path | None = None,
                parallel: int | None = None) -> list[Path]:
-    """Ahead-of-time: every job in one ninja run (parallel), same commands as `build`."""
+    """Ahead-of-time: every job whose library is not in the cache, in one ninja run
+    (parallel), same commands as `build`; the libraries of all."""
     root = root or cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        ninja_file = Path(tmp) / "build.ninja"
-        libs = write_ninja(jobs, tc, root, ninja_file)
-        run_ninja(ninja_file, jobs=parallel)
-    return libs
+    # Only the missing ones: ninja's log lives in the temporary directory, and an output
+    # its log does not name is rebuilt, so every library would be.
+    missing = [job for job in jobs if not job.library(tc, root).exists()]
+    if missing:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            ninja_file = Path(tmp) / "build.ninja"
+            write_ninja(missing, tc, root, ninja_file)
+            run_ninja(ninja_file, jobs=parallel)
+    return [job.library(tc, root) for job in jobs]

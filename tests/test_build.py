@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +102,28 @@ def test_corrupt_library_is_rebuilt(nvcc_sm90, tmp_path, monkeypatch):
         KernelLibrary(str(path), v.uri)
     lib = Registry().get(v, nvcc_sm90)  # rebuilds instead of crashing
     assert lib.uri == v.uri and path.stat().st_size > 1000
+
+
+def test_build_many_builds_only_what_the_cache_lacks(tmp_path, monkeypatch):
+    """A second run of the same jobs compiles nothing (CI's compile step, then the tests'
+    compile checks, share one cache); a new job alone is built."""
+    tc = toolchain.Toolchain("nvcc", "/bin/false", "13.0.88", "sm_90")
+    jobs = [build.Job(v.uri, source_of(v)) for v in spec().variants[:3]]
+    built = []
+
+    def fake_ninja(ninja_file, jobs=None, targets=()):
+        outs = [line.split()[1].rstrip(":") for line in ninja_file.read_text().splitlines()
+                if line.startswith("build ")]
+        built.append(sorted(outs))
+        for out in outs:
+            Path(out).write_bytes(b"lib")
+
+    monkeypatch.setattr(build, "run_ninja", fake_ninja)
+    paths = build.build_many(jobs[:2], tc, root=tmp_path)
+    assert built == [sorted(map(str, paths))] and len(paths) == 2
+    assert build.build_many(jobs[:2], tc, root=tmp_path) == paths and len(built) == 1
+    assert build.build_many(jobs, tc, root=tmp_path)[:2] == paths
+    assert built[1] == [str(jobs[2].library(tc, tmp_path))]
 
 
 @needs_nvcc
