@@ -18,8 +18,6 @@ from typing import Callable, Optional
 
 import torch
 
-from codegen.layout import max_lanes_per_thread
-
 from . import dispatch, reference, tuning
 from .abi import Args, CacheArg
 from .registry import REGISTRY
@@ -38,14 +36,14 @@ class _Plan:
         self.lib = REGISTRY.get(variant)
         self.pages = {role: (access(variant, role).runtime_dim, access(variant, role).page_size)
                       for role in ("k", "v", "index")}
-        self.uri, self.device_index = variant.uri, device_index
+        self.variant, self.device_index = variant, device_index
 
     @functools.cached_property
     def launches(self) -> tuning.Ranges:
         """Tuned, by token range. Read at the first call that needs them, so that
         launch_with (the tuner) works where no valid table is stored."""
         table = tuning.table_for(torch.cuda.get_device_name(self.device_index))
-        return table.choices.get(self.uri, ()) if table else ()
+        return table.ranges_for(self.variant) if table else ()
 
 
 _PLANS: dict = {}  # (variant, device index) -> _Plan
@@ -157,10 +155,9 @@ def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **
         raise ValueError("q_out: launch_with needs the outputs allocated")
     params = inspect.signature(fused_qknorm_rope_cache).parameters
     variant, t = check(**{name: kwargs.get(name, params[name].default) for name in _ARG_NAMES})
-    most = max_lanes_per_thread(variant.head_dim, variant.rotary_dim)
-    if launch.lanes > most:
-        raise ValueError(f"launch_with: lanes must be at most {most} for {variant.uri} "
-                         f"(rotary halves not 8-aligned, or one lane per head), got {launch.lanes}")
+    bad = tuning.lanes_problem(variant, launch.lanes)
+    if bad:
+        raise ValueError(f"launch_with: {bad}")
     plan, a, device_index = _prepared(variant, t, launch)
     lib = REGISTRY.get(variant, toolchain) if toolchain else plan.lib
     return functools.partial(_launch, lib.launch, a, device_index)

@@ -30,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from codegen.layout import max_lanes_per_thread
 from codegen.paths import TUNED
 
 from .abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
@@ -79,13 +80,32 @@ class TuningError(ValueError):
     pass
 
 
+def lanes_problem(variant, lanes: int) -> Optional[str]:
+    """Why `variant`'s library has no kernel for `lanes` head lanes per thread, if so."""
+    most = max_lanes_per_thread(variant.head_dim, variant.rotary_dim)
+    return None if lanes <= most else (f"lanes must be at most {most} for {variant.uri} (rotary halves not "
+                                       f"8-aligned, or one lane per head), got {lanes}")
+
+
 @dataclass(frozen=True)
 class Table:
     device: str
     choices: dict[str, Ranges]
+    where: str = "<table>"  # the file it was read from, for errors
 
     def launch(self, uri: str, tokens: int) -> Launch:
         return pick(self.choices.get(uri, ()), tokens)
+
+    def ranges_for(self, variant) -> Ranges:
+        """The variant's ranges. The file alone cannot tell how many lanes a variant's
+        kernels hold, so a range naming more is refused here, at the variant's first
+        call, rather than by the library at every call."""
+        ranges = self.choices.get(variant.uri, ())
+        for i, (_, launch) in enumerate(ranges):
+            bad = lanes_problem(variant, launch.lanes)
+            if bad:
+                raise TuningError(f"{self.where}: range {i}: {bad}: re-run benchmarks/tune.py")
+        return ranges
 
 
 def pick(ranges: Ranges, tokens: int) -> Launch:
@@ -134,7 +154,7 @@ def parse(data, where: str) -> Table:
             parsed.append((upto, Launch(depth, tile, v_loop, lanes)))
             last = upto if upto is not None else last
         out[uri] = tuple(parsed)
-    return Table(device=data["device"], choices=out)
+    return Table(device=data["device"], choices=out, where=where)
 
 
 def _read(path: Path):

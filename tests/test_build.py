@@ -126,6 +126,37 @@ def test_build_many_builds_only_what_the_cache_lacks(tmp_path, monkeypatch):
     assert built[1] == [str(jobs[2].library(tc, tmp_path))]
 
 
+def test_two_processes_building_one_library_each_install_a_whole_one(tmp_path):
+    """build_many takes no lock: two runs of it that both miss a library compile it
+    side by side, each to a temporary name of its own, so neither writes into the
+    other's file and both install a whole one (a shared temporary name interleaved them,
+    or made the second rename fail)."""
+    compiler = tmp_path / "fakecc"
+    compiler.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\n'
+                        'echo "$$ begins" > "$out"; sleep 0.5; echo "$$ ends" >> "$out"\n')
+    compiler.chmod(0o755)
+    tc = toolchain.Toolchain("nvcc", str(compiler), "13.0.88", "sm_90")
+    v = spec().variants[0]
+    job = build.Job(v.uri, source_of(v))
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(build.build_many([job], tc, root=tmp_path / "cache"))
+        except build.BuildError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 2
+    pid_begins, pid_ends = (line.split() for line in results[0][0].read_text().splitlines())
+    assert pid_begins[0] == pid_ends[0] and (pid_begins[1], pid_ends[1]) == ("begins", "ends")
+    assert not list(results[0][0].parent.glob("*.tmp"))
+
+
 @needs_nvcc
 def test_concurrent_builds_build_once(nvcc_sm90, tmp_path, monkeypatch):
     monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))

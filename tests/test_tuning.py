@@ -362,3 +362,18 @@ def test_the_scripts_build_their_rotating_input_sets():
     assert nbytes * len(sets) < 4 * L2_BYTES  # the cap, not the L2 rule, decided here
     assert input_sets(v, 257, 8, 2, device="cpu")[1] == "prefill"
     assert input_sets(v, 257, 8, 2, device="cpu", slots="decode")[1] == "decode"  # the tuner's large decodes
+
+
+def test_a_range_naming_more_lanes_than_the_variant_holds_is_refused_at_its_first_call(tmp_path):
+    """The file is valid (lanes 2 exist); the variant's kernels stop at one lane, which
+    only the variant knows: the error names the file and range, not a failed launch."""
+    one, two = (next(v for v in spec().variants if max_lanes_per_thread(v.head_dim, v.rotary_dim) == n)
+                for n in (1, 2))
+    ranges = [[16, 1, 1, 1, 1], [None, 2, 4, 2, 2]]
+    (tmp_path / "t.json").write_text(json.dumps(table({one.uri: ranges, two.uri: ranges})))
+    t = table_for("GPU X", tmp_path)
+    assert [launch for _, launch in t.ranges_for(two)] == [Launch(1, 1, 1, 1), Launch(2, 4, 2, 2)]
+    with pytest.raises(TuningError) as e:
+        t.ranges_for(one)
+    assert str(e.value) == (f"{tmp_path / 't.json'}: range 1: lanes must be at most 1 for {one.uri} (rotary "
+                            "halves not 8-aligned, or one lane per head), got 2: re-run benchmarks/tune.py")
