@@ -3,9 +3,9 @@
 One library per variant, keyed like Triton's cache: hash of the source text and
 every header it includes, compiler version, arch and flags. The key names the
 directory, so a changed input can never load a stale binary. Builds take a file
-lock and re-check (concurrent processes build once), compile to a temporary name
-of their own and rename into place (no reader ever sees half a library). The JIT path and the
-ahead-of-time `python -m codegen compile` share `write_ninja` and so one command.
+lock and re-check (concurrent processes build once), compile to a temporary name of
+their own and rename into place (no reader ever sees half a library). The JIT path
+and the ahead-of-time `python -m codegen compile` share `write_ninja` and so one command.
 """
 from __future__ import annotations
 
