@@ -13,6 +13,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
@@ -60,7 +61,8 @@ class Job:
 def write_if_different(path: Path, text: str) -> None:
     """Replace `path` by `text` in one step (a reader never sees half a file), unless equal."""
     if not path.exists() or path.read_text() != text:
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        # A name of this thread's own: two processes, or two threads of one, may write one path.
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(text)
         tmp.replace(path)
 

@@ -126,11 +126,11 @@ def test_build_many_builds_only_what_the_cache_lacks(tmp_path, monkeypatch):
     assert built[1] == [str(jobs[2].library(tc, tmp_path))]
 
 
-def test_two_processes_building_one_library_each_install_a_whole_one(tmp_path):
-    """build_many takes no lock: two runs of it that both miss a library compile it
-    side by side, each to a temporary name of its own, so neither writes into the
-    other's file and both install a whole one (a shared temporary name interleaved them,
-    or made the second rename fail)."""
+def test_two_builds_of_one_missing_library_each_install_a_whole_one(tmp_path):
+    """build_many takes no lock: two runs of it (here two threads) that both miss a
+    library write its source and compile it side by side, each to temporary names of
+    its own, so neither writes into the other's file and both install a whole one (a
+    shared temporary name interleaved them, or made the second rename fail)."""
     compiler = tmp_path / "fakecc"
     compiler.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\n'
                         'echo "$$ begins" > "$out"; sleep 0.5; echo "$$ ends" >> "$out"\n')
