@@ -1,10 +1,16 @@
 """The benchmark's same-bytes copy (benchmarks/copy.hip): bench.py times it as what moving
 a case's bytes costs at that size, so it must move exactly them (its build, as a dependent
 launch: tests/test_build.py; for AMD: tests/test_amd.py)."""
+import dataclasses
+import re
+
 import pytest
 import torch
 
+from benchmarks.ab import Case, parse_case, parse_sets, run_case
 from benchmarks.bench import copy_same_bytes
+from runtime import toolchain
+from runtime.tuning import Launch
 
 
 @pytest.mark.parametrize("src,dst", [
@@ -28,3 +34,53 @@ def test_it_moves_every_byte_and_nothing_more():
     torch.cuda.synchronize()
     assert torch.equal(dst[:n], src[:n])
     assert (dst[n:] == 7).all()
+
+
+# ---- benchmarks/ab.py: builds that differ by definitions, timed side by side ----------
+@pytest.mark.parametrize("text,expected", [
+    ("base=", {"base": ()}),
+    ("base=;moved=KVF_X=1,KVF_Y", {"base": (), "moved": ("KVF_X=1", "KVF_Y")}),
+    (" a =KVF_A=-1;b=", {"a": ("KVF_A=-1",), "b": ()}),
+])
+def test_ab_sets_name_their_definitions(text, expected):
+    assert parse_sets(text) == expected
+
+
+@pytest.mark.parametrize("text,message", [
+    ("base", "--sets: expected name=DEFINES, got 'base'"),
+    ("=KVF_X", "--sets: expected name=DEFINES, got '=KVF_X'"),
+    ("a=;a=KVF_X", "--sets: 'a' named twice"),
+    ("a=1X,KVF_Y=2 3", "--sets: a: expected NAME or NAME=VALUE definitions, got ['1X', 'KVF_Y=2 3']"),
+])
+def test_ab_sets_refuse_what_is_not_a_definition(text, message):
+    with pytest.raises(ValueError) as e:
+        parse_sets(text)
+    assert str(e.value) == message
+
+
+def test_ab_cases_take_a_config_tp_tokens_and_maybe_a_launch():
+    assert parse_case("m3:1:1024") == Case("vllm_m3 bf16", 1, 1024, None)
+    assert parse_case("fp8:8:8192:1:4:1:2") == Case("vllm_shuffle16 fp8", 8, 8192, Launch(1, 4, 1, 2))
+
+
+@pytest.mark.parametrize("text,message", [
+    ("m3:1", "expected config:tp:tokens[:depth:tile:v_loop:lanes], got 'm3:1'"),
+    ("m4:1:16", "m4:1:16: config 'm4' is not one of m3, sglang, shuffle, fp8"),
+    ("m3:x:16", "m3:x:16: expected integers after the config"),
+    ("m3:2:16", "m3:2:16: TP 2 is not one of [1, 4, 8]"),
+    ("m3:1:0", "m3:1:0: expected at least one token, got 0"),
+    ("m3:1:16:1:3:0:1", "m3:1:16:1:3:0:1: tile"),
+])
+def test_ab_cases_refuse_what_bench_does_not_run(text, message):
+    with pytest.raises(ValueError, match="^--cases: " + re.escape(message)):
+        parse_case(text)
+
+
+@pytest.mark.gpu
+def test_ab_times_every_set_after_checking_it():
+    """Two builds of one source (a definition nothing reads): both checked, both timed."""
+    base = toolchain.default()
+    sets = {"base": base, "other": dataclasses.replace(base, defines=base.defines + ("KVF_AB_UNUSED=1",))}
+    times = run_case(parse_case("m3:8:16"), sets, rounds=2)
+    assert set(times) == {"base", "other"}
+    assert all(len(t) == 2 and all(0 < us < 1e3 for us in t) for t in times.values())

@@ -19,6 +19,18 @@ from runtime.tuning import Launch, TuningError
 pytestmark = pytest.mark.gpu
 VARIANTS = spec().variants
 
+
+def _build_all(tc: toolchain.Toolchain) -> None:
+    build.build_many([build.Job(v.uri, source_of(v)) for v in VARIANTS], tc)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _every_variant_built():
+    """Every listed variant built before the first test, in parallel, not one at a time as
+    tests first call it: a device's kernel cache is cold on every new machine."""
+    _build_all(toolchain.default())
+
+
 # (tokens, q heads, index heads, slots, padded tokens, extra options)
 CASES = [
     pytest.param(1, 8, 2, "decode", 0, {}, id="t1-decode"),
@@ -114,7 +126,7 @@ def register_pipeline():
     (KVF_ASYNC_COPY=0), and every listed variant built so: on NVIDIA the kernel
     otherwise waits for them in shared memory, and AMD is only compiled here."""
     tc = dataclasses.replace(toolchain.default(), defines=("KVF_ASYNC_COPY=0",))
-    build.build_many([build.Job(v.uri, source_of(v)) for v in VARIANTS], tc)
+    _build_all(tc)
     return tc
 
 

@@ -1,0 +1,142 @@
+"""A/B timing of kernel builds that differ by preprocessor definitions, on one GPU.
+
+    python benchmarks/ab.py --sets "base=;moved=KVF_X=1,KVF_Y" --cases m3:1:1024,fp8:8:8192:1:4:1:2
+                            [--rounds 3] [--out results.json]
+
+For trying a change to the kernel header behind a macro before it is made for good: each
+set names a build (`name=` and its definitions, comma-separated; the first set is the
+baseline), each case a configuration of bench.py (m3, sglang, shuffle, fp8), a TP and a
+token count, and optionally a launch (depth:tile:v_loop:lanes; default: the tuned one).
+Every build's launch of a case is checked against the reference, then timed as bench.py
+times the op (CUDA-graph replay, inputs rotated past L2), the sets in turn and in reverse
+order on alternate rounds; a case's line gives each set's fastest time and its change from
+the baseline's. Nothing is written to the tuning table or the benchmark results.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench import CONFIGS, TP, find_variant, graph_us, input_sets  # noqa: E402
+from codegen.layout import v_transposed  # noqa: E402
+from runtime import build, toolchain  # noqa: E402
+from runtime.api import launch_with  # noqa: E402
+from runtime.registry import source_of  # noqa: E402
+from runtime.testing import ReferenceCheck  # noqa: E402
+from runtime.tuning import Launch, launch_used  # noqa: E402
+
+CONFIG_NAMES = {"m3": "vllm_m3 bf16", "sglang": "sglang_nhd bf16", "shuffle": "vllm_shuffle16 bf16",
+                "fp8": "vllm_shuffle16 fp8"}
+_DEFINE = re.compile(r"[A-Za-z_]\w*(=\S*)?")
+
+
+class Case(NamedTuple):
+    config: str                # a key of bench.CONFIGS
+    tp: int
+    tokens: int
+    launch: Optional[Launch]   # None: the tuned launch
+
+
+def parse_sets(text: str) -> dict[str, tuple[str, ...]]:
+    """"base=;moved=KVF_X=1,KVF_Y" -> {"base": (), "moved": ("KVF_X=1", "KVF_Y")}."""
+    sets: dict[str, tuple[str, ...]] = {}
+    for item in text.split(";"):
+        name, eq, defines = item.partition("=")
+        name = name.strip()
+        if not eq or not name:
+            raise ValueError(f"--sets: expected name=DEFINES, got {item!r}")
+        if name in sets:
+            raise ValueError(f"--sets: {name!r} named twice")
+        found = tuple(d for d in defines.split(",") if d)
+        bad = [d for d in found if not _DEFINE.fullmatch(d)]
+        if bad:
+            raise ValueError(f"--sets: {name}: expected NAME or NAME=VALUE definitions, got {bad}")
+        sets[name] = found
+    return sets
+
+
+def parse_case(text: str) -> Case:
+    """"m3:1:1024" or "fp8:8:8192:1:4:1:2" (depth:tile:v_loop:lanes)."""
+    fields = text.split(":")
+    if len(fields) not in (3, 7):
+        raise ValueError(f"--cases: expected config:tp:tokens[:depth:tile:v_loop:lanes], got {text!r}")
+    if fields[0] not in CONFIG_NAMES:
+        raise ValueError(f"--cases: {text}: config {fields[0]!r} is not one of {', '.join(CONFIG_NAMES)}")
+    try:
+        tp, tokens, *launch = map(int, fields[1:])
+    except ValueError:
+        raise ValueError(f"--cases: {text}: expected integers after the config") from None
+    if tp not in TP:
+        raise ValueError(f"--cases: {text}: TP {tp} is not one of {sorted(TP)}")
+    if tokens < 1:
+        raise ValueError(f"--cases: {text}: expected at least one token, got {tokens}")
+    chosen = Launch(*launch) if launch else None
+    if chosen and chosen.problems():
+        raise ValueError(f"--cases: {text}: {'; '.join(chosen.problems())}")
+    return Case(CONFIG_NAMES[fields[0]], tp, tokens, chosen)
+
+
+def run_case(case: Case, toolchains: dict[str, toolchain.Toolchain], rounds: int) -> dict[str, list[float]]:
+    """µs per call of each set's build, one timing per round."""
+    nq, nkv, niq = TP[case.tp]
+    v = find_variant(CONFIGS[case.config], nkv)
+    launch = case.launch or launch_used(torch.cuda.get_device_name(), v.uri, case.tokens, v_transposed(v))
+    sets, _, _, n_calls = input_sets(v, case.tokens, nq, niq)
+    check = ReferenceCheck(sets[0], ref_device="cuda")
+    calls = {}
+    for name, tc in toolchains.items():
+        check(lambda **a: launch_with(launch, tc, **a)())
+        fns = [launch_with(launch, tc, **s) for s in sets]
+        calls[name] = [fns[i % len(fns)] for i in range(n_calls)]
+    times: dict[str, list[float]] = {name: [] for name in toolchains}
+    for r in range(rounds):
+        for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+            times[name].append(graph_us(calls[name]))
+    del sets, check, calls
+    torch.cuda.empty_cache()
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", required=True, help='builds: "name=DEF,DEF;name2=..." (the first: the baseline)')
+    ap.add_argument("--cases", required=True, help="config:tp:tokens[:depth:tile:v_loop:lanes],...")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="", help="where the times go as JSON (none: printed only)")
+    args = ap.parse_args()
+    try:
+        sets = parse_sets(args.sets)
+        cases = {text: parse_case(text) for text in args.cases.split(",")}
+    except ValueError as e:
+        ap.error(str(e))
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected at least 1, got {args.rounds}")
+    base = toolchain.default()
+    toolchains = {name: dataclasses.replace(base, defines=base.defines + defines) for name, defines in sets.items()}
+    variants = {find_variant(CONFIGS[c.config], TP[c.tp][1]) for c in cases.values()}
+    for tc in toolchains.values():
+        build.build_many([build.Job(v.uri, source_of(v)) for v in variants], tc)
+    first = next(iter(sets))
+    results = {}
+    for text, case in cases.items():
+        times = results[text] = run_case(case, toolchains, args.rounds)
+        best = {name: min(t) for name, t in times.items()}
+        print(f"{text:22s} " + "  ".join(f"{name} {us:8.2f} us ({us / best[first] - 1:+.1%})"
+                                         for name, us in best.items()), flush=True)
+        if args.out:  # after every case, so a run cut short keeps what it measured
+            Path(args.out).write_text(json.dumps({"sets": sets, "times_us": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
