@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench import CONFIGS, TP, find_variant, graph_us, input_sets  # noqa: E402
+from benchmarks.bench import CONFIGS, TP, find_variant, graph_us, hang_watchdog, input_sets  # noqa: E402
 from codegen.layout import v_transposed  # noqa: E402
 from runtime import build, toolchain  # noqa: E402
 from runtime.api import launch_with  # noqa: E402
@@ -129,7 +129,8 @@ def main() -> int:
     first = next(iter(sets))
     results = {}
     for text, case in cases.items():
-        times = results[text] = run_case(case, toolchains, args.rounds)
+        with hang_watchdog():
+            times = results[text] = run_case(case, toolchains, args.rounds)
         best = {name: min(t) for name, t in times.items()}
         print(f"{text:22s} " + "  ".join(f"{name} {us:8.2f} us ({us / best[first] - 1:+.1%})"
                                          for name, us in best.items()), flush=True)

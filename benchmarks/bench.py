@@ -14,7 +14,9 @@ and regenerates BENCHMARKS.md and the plot (benchmarks/report.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import faulthandler
 import functools
 import json
 import math
@@ -94,6 +96,24 @@ def copy_bandwidth(nbytes: int = 2 * 2 ** 30) -> float:
         dst.copy_(src)
     ms = statistics.median(events_ms(lambda: dst.copy_(src), 20))
     return 2 * nbytes / ms / 1e6  # GB/s, read + write
+
+
+# A case (bench.py, ab.py) or token count (tune.py) takes under a minute; a kernel that
+# never returns (an aligned barrier some threads reach at another instruction hung the
+# GPU tests and the tuner, NOTES session 25) would hold the device call to its limit.
+HANG_S = 300.0
+
+
+@contextlib.contextmanager
+def hang_watchdog(seconds: float = HANG_S):
+    """Ends the process (exit status 1, every thread's stack on stderr) if the block runs
+    longer than `seconds`, so a hung kernel leaves the rest of a device call to the
+    commands after it; what was written before (results, a tune's partial file) stays."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def graph_us(calls: list, reps: int = 7, warmup_ms: float = 100.0) -> float:
@@ -302,7 +322,8 @@ def main() -> int:
     for name in args.configs.split(","):
         for tp in map(int, args.tp.split(",")):
             for tokens in map(int, args.tokens.split(",")):
-                rec = run_case(variants[(name, tp)], tp, tokens, peers, compiled, args.compile_min_tokens)
+                with hang_watchdog():
+                    rec = run_case(variants[(name, tp)], tp, tokens, peers, compiled, args.compile_min_tokens)
                 rec["config"] = name
                 rec["pct_copy"] = 100 * rec["gbps"] / copy
                 records.append(rec)

@@ -55,7 +55,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench import CONFIGS, DECODE_UP_TO, TP, find_variant, graph_us, input_sets  # noqa: E402
+from benchmarks.bench import CONFIGS, DECODE_UP_TO, TP, find_variant, graph_us, hang_watchdog, input_sets  # noqa: E402
 from codegen.layout import max_lanes_per_thread, v_transposed  # noqa: E402
 from codegen.model import IndexMode  # noqa: E402
 from codegen.paths import TUNED  # noqa: E402
@@ -273,7 +273,8 @@ def main() -> int:
                 print(f"stopping within --budget-s {args.budget_s:g} before {v.uri} T={t}; {partial} holds "
                       "what was measured: continue with --resume", flush=True)
                 return 3
-            measured[str(t)] = measure_count(v, t, args.confirm_within)
+            with hang_watchdog():
+                measured[str(t)] = measure_count(v, t, args.confirm_within)
             build.write_if_different(partial, json.dumps(table, indent=1, sort_keys=True) + "\n")
             s_per_launch[seen] = max(s_per_launch.get(seen, 0.0), (time.monotonic() - began) / launches_per_count(v))
             chosen = pick(v, t, measured[str(t)])

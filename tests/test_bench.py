@@ -1,14 +1,18 @@
 """The benchmark's same-bytes copy (benchmarks/copy.hip): bench.py times it as what moving
 a case's bytes costs at that size, so it must move exactly them (its build, as a dependent
-launch: tests/test_build.py; for AMD: tests/test_amd.py)."""
+launch: tests/test_build.py; for AMD: tests/test_amd.py). The A/B script's arguments and
+run, and the scripts' hang watchdog."""
 import dataclasses
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from benchmarks.ab import Case, parse_case, parse_sets, run_case
-from benchmarks.bench import copy_same_bytes
+from benchmarks.bench import ROOT, copy_same_bytes
 from runtime import toolchain
 from runtime.tuning import Launch
 
@@ -84,3 +88,24 @@ def test_ab_times_every_set_after_checking_it():
     times = run_case(parse_case("m3:8:16"), sets, rounds=2)
     assert set(times) == {"base", "other"}
     assert all(len(t) == 2 and all(0 < us < 1e3 for us in t) for t in times.values())
+
+
+def _under_watchdog(seconds: float, body: str) -> tuple[subprocess.CompletedProcess, float]:
+    code = f"from benchmarks.bench import hang_watchdog\nimport time\nwith hang_watchdog({seconds}):\n    {body}\n" \
+           "time.sleep(2)\nprint('after')"
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return done, time.monotonic() - began
+
+
+def test_the_watchdog_ends_a_block_that_hangs():
+    done, took = _under_watchdog(1, "time.sleep(60)")
+    assert done.returncode == 1 and "after" not in done.stdout
+    assert "Timeout (0:00:01)!" in done.stderr
+    assert 'File "<string>", line 4' in done.stderr  # the stack names the line that hung
+    assert took < 50
+
+
+def test_the_watchdog_lets_a_block_that_ends_in_time_go_on():
+    done, _ = _under_watchdog(1, "time.sleep(0.1)")  # the 2 s after it: disarmed
+    assert done.returncode == 0 and done.stdout == "after\n", done.stderr
