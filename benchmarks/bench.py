@@ -109,7 +109,8 @@ def hang_watchdog(seconds: float = HANG_S):
     """Ends the process (exit status 1, every thread's stack on stderr) if the block runs
     longer than `seconds`, so a hung kernel leaves the rest of a device call to the
     commands after it; what was written before (results, a tune's partial file) stays."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
+    # The process's own stderr: under pytest's capture sys.stderr has no file descriptor.
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
     try:
         yield
     finally:
