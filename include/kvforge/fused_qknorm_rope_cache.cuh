@@ -676,13 +676,16 @@ struct Fused {
                          : r.kind == kV ? scale_of<VT::kKvScale>(a.v_scale, r.head)
                                         : 1.0f;
     const int wk = r.kind - (r.kind > kV);  // the thread's norm (V lanes have none: unused)
-    auto step = [&](int64_t t, const auto& factors) {
+    auto step = [&](int64_t t, const auto& factors, bool meet_barrier = false) {
       // Register rows go out after the loads this token waits for: AMD retires loads in
       // order, so waiting for the cos/sin would otherwise wait for the next rows too.
       if constexpr (KVF_ASYNC_COPY) request_rows(kRowsAhead);
       fetch(q[kMeta], t + kMeta * tpp);
       fetch_cos_sin(q[kCsAhead]);
       if constexpr (!KVF_ASYNC_COPY) request_rows(kRowsAhead);
+#if KVF_SPLIT_BARRIER
+      if (meet_barrier) split_barrier();  // the norm factors' (see the loop)
+#endif
       // The scale's reciprocal (loop-invariant: hoisted where there is a loop) after this
       // token's loads in source order. Ahead of them it held the cos/sin load back until
       // the scale came; where it is used, in process, it was slower than here (FP8 TP8,
@@ -737,10 +740,23 @@ struct Fused {
 #pragma unroll
       for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
     }
+    // The barrier after which the norm factors are in shared memory. Where a thread may
+    // meet it at another instruction than its neighbours (KVF_SPLIT_BARRIER), a thread
+    // with a token meets it in its first step, once that step's trips (the next rows,
+    // depth 1's cos/sin) are out, so they overlap the wait; one without meets it here.
+#if KVF_SPLIT_BARRIER
+    constexpr bool kSplit = true;
+    if (idle || first >= a.num_tokens) {
+      split_barrier();
+      return;
+    }
+#else
+    constexpr bool kSplit = false;
     __syncthreads();
     if (idle) return;
+#endif
     const SharedFactors shared{r.kind == kV ? nullptr : norm_factors[wk]};
-    for (int64_t t = first; t < a.num_tokens; t += tpp) step(t, shared);
+    for (int64_t t = first; t < a.num_tokens; t += tpp) step(t, shared, kSplit && t == first);
   }
 
   // One token of a thread: its chunks x (chunk 2s + i: chunk i of sub-lane s, dims d0).

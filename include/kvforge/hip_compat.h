@@ -226,6 +226,25 @@ KVF_DEVICE void async_wait() {
 }
 #endif
 
+// ---- a block barrier met at different instructions (NVIDIA sm_70+) -------------------
+// __syncthreads() is PTX's bar.sync, an *aligned* barrier: every thread of the block must
+// meet it at one instruction, or the behaviour is undefined (a warp split between two of
+// them hung the H200: benchmarks/NOTES.md, session 25). barrier.sync without .aligned
+// counts threads wherever they meet it, with the same memory ordering. KVF_SPLIT_BARRIER
+// is 1 where it exists, and split_barrier() is defined only there; AMD's s_barrier counts
+// waves, so kernels there keep one barrier every thread meets at one place.
+#ifndef KVF_SPLIT_BARRIER
+#if defined(KVF_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+#define KVF_SPLIT_BARRIER 1
+#else
+#define KVF_SPLIT_BARRIER 0
+#endif
+#endif
+
+#if KVF_SPLIT_BARRIER
+KVF_DEVICE void split_barrier() { asm volatile("barrier.sync 0;" ::: "memory"); }
+#endif
+
 // ---- bit casts -----------------------------------------------------------------------
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
 KVF_HOST_DEVICE float bits_to_float(uint32_t u) { return __uint_as_float(u); }
