@@ -12,8 +12,8 @@ on NVIDIA a thread with a token meets in its first step and one without where it
 (two instructions: legal only for a barrier that is not .aligned, and session 24's
 aligned one hung the H200): prefills of several passes at TP1's heads at every depth,
 tile and lane count (on the H200, two lanes at tile 1, the launch that hung, leave one
-warp a quarter busy: 109 tokens of 616 lanes in 528 blocks of 128 threads). Run as a script (the part, then the
-variants), this file makes those calls.
+warp a quarter busy: 109 tokens of 616 lanes in 528 blocks of 128 threads). Run as a
+script (the part, then the variants), this file makes those calls.
 """
 import shutil
 import subprocess

@@ -745,18 +745,16 @@ struct Fused {
     // with a token meets it in its first step, once that step's trips (the next rows,
     // depth 1's cos/sin) are out, so they overlap the wait; one without meets it here.
 #if KVF_SPLIT_BARRIER
-    constexpr bool kSplit = true;
     if (idle || first >= a.num_tokens) {
       split_barrier();
       return;
     }
 #else
-    constexpr bool kSplit = false;
     __syncthreads();
     if (idle) return;
 #endif
     const SharedFactors shared{r.kind == kV ? nullptr : norm_factors[wk]};
-    for (int64_t t = first; t < a.num_tokens; t += tpp) step(t, shared, kSplit && t == first);
+    for (int64_t t = first; t < a.num_tokens; t += tpp) step(t, shared, KVF_SPLIT_BARRIER && t == first);
   }
 
   // One token of a thread: its chunks x (chunk 2s + i: chunk i of sub-lane s, dims d0).
