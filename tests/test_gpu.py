@@ -353,8 +353,9 @@ def test_shuffle_v_loop_groups_write_several_items(variant):
 @pytest.mark.parametrize("kv_scale", ["none", "per_tensor"])
 def test_shuffle_v_groups_that_are_almost_runs(kv_scale, v_loop):
     """SHUFFLE's V loop stores a group as vectors when its slots are one aligned run; a
-    group whose middle is out of order must still land value by value. The same slots
-    with V in the main loop, as a tuned table may choose for such a call."""
+    group whose middle is out of order, or whose run starts off a multiple of its length,
+    must still land value by value. The same slots with V in the main loop, as a tuned
+    table may choose for such a call."""
     v = _seed_variant(kv_scale=kv_scale, fp8="e4m3fn") if kv_scale != "none" else _seed_variant()
     tg = 8  # the V loop's group: a whole vector of bf16 tokens, half of one of FP8
     args = make_inputs(v, 64, 8, 2, slots="prefill", device="cuda", seed=10)  # 8 groups
@@ -362,4 +363,6 @@ def test_shuffle_v_groups_that_are_almost_runs(kv_scale, v_loop):
     sm[1], sm[2] = sm[2].clone(), sm[1].clone()            # group 0: middle swapped
     sm[tg + 3] = -1                                         # group 1: a padded token inside
     sm[2 * tg:3 * tg] = sm[2 * tg:3 * tg].flip(0)           # group 2: reversed (not taken)
+    sm[3 * tg:4 * tg - 1] = sm[3 * tg + 1:4 * tg].clone()   # group 3: a run from an odd slot
+    sm[4 * tg - 1] = -1
     check_against_reference(args, lambda **a: launch_with(Launch(0, 0, v_loop), **a)())
