@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks.tune import launches
+from codegen.layout import access
 from codegen.model import IndexMode
 from runtime import build, fused_qknorm_rope_cache, toolchain
 from runtime.abi import V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON
@@ -363,7 +364,7 @@ def test_shuffle_v_groups_that_are_almost_runs(kv_scale, v_loop):
     sm[1], sm[2] = sm[2].clone(), sm[1].clone()            # group 0: middle swapped
     sm[tg + 3] = -1                                         # group 1: a padded token inside
     sm[2 * tg:3 * tg] = sm[2 * tg:3 * tg].flip(0)           # group 2: reversed (not taken)
-    ps = v.contract.v.page_size                             # group 3: a run from an odd slot
-    free = sorted(set(range(args["v_cache"].shape[0])) - set((sm[sm >= 0] // ps).tolist()))  # SHUFFLE: pages first
-    sm[3 * tg:4 * tg] = free[0] * ps + 1 + torch.arange(tg, device=sm.device)
+    ps, pages = v.contract.v.page_size, args["v_cache"].shape[access(v, "v").runtime_dim]
+    free = sorted(set(range(pages)) - set((sm[sm >= 0] // ps).tolist()))
+    sm[3 * tg:4 * tg] = free[0] * ps + 1 + torch.arange(tg, device=sm.device)  # group 3: a run from an odd slot
     check_against_reference(args, lambda **a: launch_with(Launch(0, 0, v_loop), **a)())
