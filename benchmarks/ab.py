@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench import CONFIGS, TP, find_variant, graph_us, hang_watchdog, input_sets  # noqa: E402
-from codegen.layout import v_transposed  # noqa: E402
-from runtime import build, toolchain  # noqa: E402
-from runtime.api import launch_with  # noqa: E402
-from runtime.registry import source_of  # noqa: E402
-from runtime.testing import ReferenceCheck  # noqa: E402
-from runtime.tuning import Launch, launch_used  # noqa: E402
+from kvforge.codegen.layout import v_transposed  # noqa: E402
+from kvforge.runtime import build, toolchain  # noqa: E402
+from kvforge.runtime.api import launch_with  # noqa: E402
+from kvforge.runtime.registry import source_of  # noqa: E402
+from kvforge.runtime.testing import ReferenceCheck  # noqa: E402
+from kvforge.runtime.tuning import Launch, launch_used  # noqa: E402
 
 CONFIG_NAMES = {"m3": "vllm_m3 bf16", "sglang": "sglang_nhd bf16", "shuffle": "vllm_shuffle16 bf16",
                 "fp8": "vllm_shuffle16 fp8"}

@@ -35,12 +35,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.unfused import layouts, unfused  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
-from codegen.layout import v_transposed  # noqa: E402
-from codegen.model import IndexMode  # noqa: E402
-from runtime import build, dispatch, fused_qknorm_rope_cache, toolchain, tuning  # noqa: E402
-from runtime.abi import V_LOOP_OFF, V_LOOP_ON, KernelLibrary  # noqa: E402
-from runtime.registry import source_of, spec  # noqa: E402
-from runtime.testing import check_against_reference, make_inputs, with_outputs  # noqa: E402
+from kvforge.codegen.layout import v_transposed  # noqa: E402
+from kvforge.codegen.model import IndexMode  # noqa: E402
+from kvforge.runtime import build, dispatch, fused_qknorm_rope_cache, toolchain, tuning  # noqa: E402
+from kvforge.runtime.abi import V_LOOP_OFF, V_LOOP_ON, KernelLibrary  # noqa: E402
+from kvforge.runtime.registry import source_of, spec  # noqa: E402
+from kvforge.runtime.testing import check_against_reference, make_inputs, with_outputs  # noqa: E402
 
 TP = {1: (64, 4, 4), 4: (16, 1, 1), 8: (8, 1, 1)}  # (q heads, kv heads, index heads)
 TOKENS = [1, 16, 128, 1024, 8192, 32768, 65536]

@@ -56,16 +56,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench import CONFIGS, DECODE_UP_TO, TP, find_variant, graph_us, hang_watchdog, input_sets  # noqa: E402
-from codegen.layout import max_lanes_per_thread, v_transposed  # noqa: E402
-from codegen.model import IndexMode  # noqa: E402
-from codegen.paths import TUNED  # noqa: E402
-from runtime import build, toolchain  # noqa: E402
-from runtime.abi import (ABI_VERSION, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT,  # noqa: E402
+from kvforge.codegen.layout import max_lanes_per_thread, v_transposed  # noqa: E402
+from kvforge.codegen.model import IndexMode  # noqa: E402
+from kvforge.codegen.paths import TUNED  # noqa: E402
+from kvforge.runtime import build, toolchain  # noqa: E402
+from kvforge.runtime.abi import (ABI_VERSION, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT,  # noqa: E402
                          V_LOOP_OFF, V_LOOP_ON)
-from runtime.api import launch_with  # noqa: E402
-from runtime.registry import source_of, spec  # noqa: E402
-from runtime.testing import ReferenceCheck  # noqa: E402
-from runtime.tuning import DEFAULT, Launch, parse  # noqa: E402
+from kvforge.runtime.api import launch_with  # noqa: E402
+from kvforge.runtime.registry import source_of, spec  # noqa: E402
+from kvforge.runtime.testing import ReferenceCheck  # noqa: E402
+from kvforge.runtime.tuning import DEFAULT, Launch, parse  # noqa: E402
 
 MARGIN = 0.02
 # The layout of measured_us (2: µs by launch per pattern, "tp8" or "tp8-decode"); --resume

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from codegen.model import IndexMode, KvScale, Norm, Saturation, Variant
-from codegen.layout import CacheAccess, access
-from runtime.reference import to_fp8, write_slots
+from kvforge.codegen.model import IndexMode, KvScale, Norm, Saturation, Variant
+from kvforge.codegen.layout import CacheAccess, access
+from kvforge.runtime.reference import to_fp8, write_slots
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float, norm: Norm) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""`python -m codegen [generate|check|list|compile]`.
+"""`python -m kvforge.codegen [generate|check|list|compile]`.
 
 generate (default)  regenerate generated/ from variants.yaml (write-if-different)
 check               exit 1 if generated/ is stale or variants.yaml is invalid
@@ -8,6 +8,11 @@ compile             build every generated variant for the given targets (sm_XX w
                     error or warning, print how many compiled per target
 """
 from __future__ import annotations
+
+if __package__ == "codegen":  # the old spelling, `python -m codegen` from a checkout's root
+    import runpy
+    runpy.run_module("kvforge.codegen", run_name="__main__", alter_sys=True)
+    raise SystemExit(0)
 
 import argparse
 import fnmatch
@@ -33,7 +38,7 @@ def _select(variants, include: list[str], exclude: list[str]) -> list[Variant]:
 
 
 def _compile(variants: list[Variant], targets: list[str], jobs: int) -> int:
-    from runtime import build, toolchain
+    from kvforge.runtime import build, toolchain
 
     failures = 0
     for target in targets:
@@ -54,7 +59,7 @@ def _compile(variants: list[Variant], targets: list[str], jobs: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m codegen", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m kvforge.codegen", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="generate",
                         choices=("generate", "check", "list", "compile"))
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"stale: generated/{name}", file=sys.stderr)
             for name in report.removed:
                 print(f"orphan: generated/{name}", file=sys.stderr)
-            print("generated/ is out of date: run `python -m codegen`", file=sys.stderr)
+            print("generated/ is out of date: run `python -m kvforge.codegen`", file=sys.stderr)
             return 1
         print(f"generated/ is current ({len(spec.variants)} variants)")
         return 0
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = _select(spec.variants, args.filter, args.exclude)
         stale = generate(spec, dry_run=True).stale
         if stale:
-            print("generated/ is out of date: run `python -m codegen` first", file=sys.stderr)
+            print("generated/ is out of date: run `python -m kvforge.codegen` first", file=sys.stderr)
             return 1
         return _compile(chosen, [t.strip() for t in args.target.split(",") if t.strip()], args.jobs)
     report = generate(spec)
@@ -107,7 +112,7 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except BrokenPipeError:
-        # The reader went away (`python -m codegen list | head`): stop quietly, as Unix
+        # The reader went away (`python -m kvforge.codegen list | head`): stop quietly, as Unix
         # tools do; stdout goes to /dev/null so the interpreter's last flush fails no more.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)

@@ -1,9 +1,10 @@
-"""Where the project's inputs and outputs live (relative to this checkout)."""
+"""Where the package's data lives: beside the code, in a checkout and in an installed wheel
+alike (pyproject maps the checkout's root onto the package `kvforge`)."""
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-VARIANTS_YAML = ROOT / "variants.yaml"
-TEMPLATES = ROOT / "templates"
-INCLUDE = ROOT / "include"
-GENERATED = ROOT / "generated"
-TUNED = ROOT / "tuning"  # launch choices the tuner measured (runtime/tuning.py)
+PACKAGE = Path(__file__).resolve().parent.parent
+VARIANTS_YAML = PACKAGE / "variants.yaml"
+TEMPLATES = PACKAGE / "templates"
+INCLUDE = PACKAGE / "include"
+GENERATED = PACKAGE / "generated"
+TUNED = PACKAGE / "tuning"  # launch choices the tuner measured (runtime/tuning.py)

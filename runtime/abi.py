@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import re
 
-from codegen.paths import INCLUDE
+from kvforge.codegen.paths import INCLUDE
 
 MAX_DIMS = 8
 

@@ -31,7 +31,7 @@ class _Plan:
     """What one variant's launch on one device needs besides the tensors, looked up once."""
 
     def __init__(self, variant, device_index: int) -> None:
-        from codegen.layout import access
+        from kvforge.codegen.layout import access
 
         self.lib = REGISTRY.get(variant)
         self.pages = {role: (access(variant, role).runtime_dim, access(variant, role).page_size)

@@ -5,7 +5,7 @@ every header it includes, compiler version, arch and flags. The key names the
 directory, so a changed input can never load a stale binary. Builds take a file
 lock and re-check (concurrent processes build once), compile to a temporary name of
 their own and rename into place (no reader ever sees half a library). The JIT path
-and the ahead-of-time `python -m codegen compile` share `write_ninja` and so one command.
+and the ahead-of-time `python -m kvforge.codegen compile` share `write_ninja` and so one command.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Callable, Iterable, TypeVar
 
 from filelock import FileLock
 
-from codegen.render import kernel_sources
+from kvforge.codegen.render import kernel_sources
 
 from .toolchain import Toolchain
 

@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from codegen.layout import CacheAccess, access, lane_dims
-from codegen.model import Fp8, IndexMode, KvScale, Norm, Saturation, Variant
+from kvforge.codegen.layout import CacheAccess, access, lane_dims
+from kvforge.codegen.model import Fp8, IndexMode, KvScale, Norm, Saturation, Variant
 
 FP8_DTYPES = {Fp8.E4M3FN: torch.float8_e4m3fn, Fp8.E4M3FNUZ: torch.float8_e4m3fnuz}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}

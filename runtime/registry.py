@@ -10,9 +10,9 @@ import functools
 import threading
 import warnings
 
-from codegen.model import Spec, Variant, load_spec
-from codegen.paths import GENERATED, VARIANTS_YAML
-from codegen.render import render_variant
+from kvforge.codegen.model import Spec, Variant, load_spec
+from kvforge.codegen.paths import GENERATED, VARIANTS_YAML
+from kvforge.codegen.render import render_variant
 
 from . import build as _build
 from . import toolchain as _toolchain
@@ -47,7 +47,7 @@ def add_hint(v: Variant) -> str:
     contract = axes.pop("contract")
     lines = "\n".join(f"      {k}: {val}" for k, val in axes.items())
     return (f"kvforge: variant {v.uri} is not in variants.yaml; it was rendered and built on "
-            f"first use. To ship it, add a family to variants.yaml and run `python -m codegen`:\n"
+            f"first use. To ship it, add a family to variants.yaml and run `python -m kvforge.codegen`:\n"
             f"  - name: <family>\n    axes:\n      contract: {contract}\n{lines}")
 
 

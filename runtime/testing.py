@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from codegen.layout import access
-from codegen.model import IndexMode, KvScale, Variant
+from kvforge.codegen.layout import access
+from kvforge.codegen.model import IndexMode, KvScale, Variant
 
 from .reference import FP8_DTYPES
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from codegen.paths import INCLUDE
+from kvforge.codegen.paths import INCLUDE
 
 # Contraction off so the kernel rounds like the unfused torch path (mul, then add).
 NVCC_FLAGS = ("-x", "cu", "-std=c++17", "-O3", "--fmad=false", "-Xcompiler", "-fPIC", "-shared",

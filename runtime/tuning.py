@@ -30,8 +30,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from codegen.layout import max_lanes_per_thread
-from codegen.paths import TUNED
+from kvforge.codegen.layout import max_lanes_per_thread
+from kvforge.codegen.paths import TUNED
 
 from .abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
                   MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS,

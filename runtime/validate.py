@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from codegen.layout import VEC, access
-from codegen.model import IndexMode, IndexSlots, PointError, Variant, make_variant
+from kvforge.codegen.layout import VEC, access
+from kvforge.codegen.model import IndexMode, IndexSlots, PointError, Variant, make_variant
 
 from .reference import FP8_DTYPES, Tensors
 from .registry import spec

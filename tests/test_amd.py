@@ -6,10 +6,10 @@ import subprocess
 import pytest
 
 from benchmarks.bench import COPY_SOURCE
-from codegen.layout import max_lanes_per_thread
-from runtime import build, toolchain
-from runtime.abi import MAX_PIPELINE_DEPTH
-from runtime.registry import source_of, spec
+from kvforge.codegen.layout import max_lanes_per_thread
+from kvforge.runtime import build, toolchain
+from kvforge.runtime.abi import MAX_PIPELINE_DEPTH
+from kvforge.runtime.registry import source_of, spec
 
 VARIANTS = spec().variants
 TARGETS = ("gfx942", "gfx950")

@@ -4,10 +4,10 @@ import inspect
 import pytest
 import torch
 
-from runtime import fused_qknorm_rope_cache, minimax_m3_qknorm_rope_cache_shuffle_insert
-from runtime.registry import spec
-from runtime.testing import MUTABLE, make_inputs, with_outputs
-from runtime.validate import check
+from kvforge.runtime import fused_qknorm_rope_cache, minimax_m3_qknorm_rope_cache_shuffle_insert
+from kvforge.runtime.registry import spec
+from kvforge.runtime.testing import MUTABLE, make_inputs, with_outputs
+from kvforge.runtime.validate import check
 
 SPEC = spec()
 
@@ -203,8 +203,8 @@ def test_a_bound_call_takes_each_pointer_from_its_own_parameter(monkeypatch):
     signature may pass separate tensors."""
     import types
 
-    from runtime import api, dispatch
-    from runtime.abi import Args
+    from kvforge.runtime import api, dispatch
+    from kvforge.runtime.abi import Args
 
     args = seed_args(SEED_FP8)
     args.update(v_scale=args["k_scale"], k_norm_weight=args["q_norm_weight"])
@@ -221,7 +221,7 @@ def test_a_bound_call_takes_each_pointer_from_its_own_parameter(monkeypatch):
 def test_the_op_itself_needs_its_outputs_passed():
     """The public function allocates q_out / index_q_out; the op (torch.ops.kvforge, whose
     schema makes index_q_out optional) and validation refuse a missing one, writing nothing."""
-    from runtime.api import _ARG_NAMES
+    from kvforge.runtime.api import _ARG_NAMES
 
     args = seed_args()
     defaults = {"eps": 1e-6, "index_mode": "full", "norm": "gemma", "kv_cache": None}

@@ -13,8 +13,8 @@ import torch
 
 from benchmarks.ab import Case, parse_case, parse_sets, run_case
 from benchmarks.bench import ROOT, copy_same_bytes
-from runtime import toolchain
-from runtime.tuning import Launch
+from kvforge.runtime import toolchain
+from kvforge.runtime.tuning import Launch
 
 
 @pytest.mark.parametrize("src,dst", [

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from codegen.model import make_variant
+from kvforge.codegen.model import make_variant
 from benchmarks.bench import COPY_SOURCE
-from codegen.paths import INCLUDE, ROOT
-from runtime import build, toolchain
-from runtime.abi import KernelLibrary
-from runtime.registry import Registry, UnlistedVariantWarning, listed, source_of, spec
+from kvforge.codegen.paths import INCLUDE
+from kvforge.runtime import build, toolchain
+from kvforge.runtime.abi import KernelLibrary
+from kvforge.runtime.registry import Registry, UnlistedVariantWarning, listed, source_of, spec
+
+REPO = Path(__file__).resolve().parents[1]
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 NVCC_OUT = "nvcc: NVIDIA (R) Cuda compiler driver\nCuda compilation tools, release 13.0, V13.0.88\n"
@@ -88,7 +90,7 @@ def test_unlisted_signature_is_rendered_built_and_explained(nvcc_sm90, tmp_path,
     assert lib.uri == UNLISTED.uri
     hint = str(record[0].message)
     assert "is not in variants.yaml" in hint and "contract: vllm_shuffle16" in hint
-    assert "head_dim: 64" in hint and "python -m codegen" in hint
+    assert "head_dim: 64" in hint and "python -m kvforge.codegen" in hint
 
 
 @needs_nvcc
@@ -184,7 +186,7 @@ def test_the_library_refuses_a_tile_that_is_not_a_power_of_two(nvcc_sm90, tmp_pa
     """kvf_launch checks the tile itself, for callers of the C ABI that skip
     runtime/tuning.py. The refusal comes before any GPU call, so this runs without one;
     a tile it let through (3) would go on to the device query or a launch."""
-    from runtime.abi import Args
+    from kvforge.runtime.abi import Args
 
     monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
     v = spec().variants[0]
@@ -203,8 +205,8 @@ def test_the_library_refuses_a_tile_that_is_not_a_power_of_two(nvcc_sm90, tmp_pa
 def test_every_generated_variant_compiles_for_sm90():
     """The compile check, by the command the README documents (sharing the session's
     build cache, so after CI's compile step this only re-checks)."""
-    proc = subprocess.run([sys.executable, "-m", "codegen", "compile", "--target", "sm_90"],
-                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
+    proc = subprocess.run([sys.executable, "-m", "kvforge.codegen", "compile", "--target", "sm_90"],
+                          cwd=REPO, capture_output=True, text=True, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     n = len(spec().variants)
     assert f"sm_90: {n}/{n} variants compiled" in proc.stdout
@@ -213,8 +215,8 @@ def test_every_generated_variant_compiles_for_sm90():
 
 def test_cache_key_covers_every_header():
     """A kernel-body edit must never load a binary built from the old body."""
-    from codegen.paths import INCLUDE
-    from codegen.render import kernel_sources
+    from kvforge.codegen.paths import INCLUDE
+    from kvforge.codegen.render import kernel_sources
 
     headers = {p.relative_to(INCLUDE.parent).as_posix() for p in INCLUDE.rglob("*") if p.is_file()}
     assert headers and headers <= set(kernel_sources())
@@ -242,9 +244,9 @@ def test_the_ctypes_mirror_matches_the_c_abi(tmp_path):
     C compiler prints them."""
     import re
 
-    from runtime.abi import Args, CacheArg
+    from kvforge.runtime.abi import Args, CacheArg
 
-    header = re.sub(r"//[^\n]*", "", (ROOT / "include" / "kvforge" / "abi.h").read_text())
+    header = re.sub(r"//[^\n]*", "", (INCLUDE / "kvforge" / "abi.h").read_text())
     for struct in (CacheArg, Args):
         name = "kvf_cache_t" if struct is CacheArg else "kvf_args_t"
         body = re.search(r"typedef struct \{([^{}]*)\} " + name + ";", header)[1]
@@ -260,7 +262,7 @@ def test_the_ctypes_mirror_matches_the_c_abi(tmp_path):
     src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "kvforge/abi.h"\nint main(void) {\n'
                    f'{prints}  printf("%zu\\n%zu\\n", sizeof(kvf_cache_t), sizeof(kvf_args_t));\n  return 0;\n}}\n')
     exe = tmp_path / "abi"
-    subprocess.run([cc, "-I", str(ROOT / "include"), str(src), "-o", str(exe)], check=True)
+    subprocess.run([cc, "-I", str(INCLUDE), str(src), "-o", str(exe)], check=True)
     got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
     want = [getattr(CacheArg if t == "kvf_cache_t" else Args, f).offset for t, f in fields] + \
            [ctypes.sizeof(CacheArg), ctypes.sizeof(Args)]

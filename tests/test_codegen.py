@@ -7,10 +7,10 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from codegen import render
-from codegen.layout import access
-from codegen.model import load_spec
-from codegen.paths import GENERATED, ROOT, VARIANTS_YAML
+from kvforge.codegen import render
+from kvforge.codegen.layout import access
+from kvforge.codegen.model import load_spec
+from kvforge.codegen.paths import GENERATED, PACKAGE, VARIANTS_YAML
 
 GOLDEN = Path(__file__).parent / "golden"
 SPEC = load_spec(VARIANTS_YAML)
@@ -41,11 +41,11 @@ def test_rendering_is_deterministic():
     second = render.expected_files(load_spec(VARIANTS_YAML))
     assert first == second
     for name, text in first.items():
-        assert str(ROOT) not in text, f"{name} embeds an absolute path"
+        assert str(PACKAGE) not in text, f"{name} embeds an absolute path"
 
 
 def test_generated_is_current():
-    proc = subprocess.run([sys.executable, "-m", "codegen", "check"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "kvforge.codegen", "check"], cwd=PACKAGE,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in GENERATED.glob("*.hip")) == sorted(f"{v.uri}.hip" for v in SPEC.variants)
@@ -96,8 +96,8 @@ def test_layout_analysis_of_the_seed():
 
 
 def test_list_filters_by_name():
-    proc = subprocess.run([sys.executable, "-m", "codegen", "list", "--filter", "vllm_m3_*",
-                           "--exclude", "*kvperhead*"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "kvforge.codegen", "list", "--filter", "vllm_m3_*",
+                           "--exclude", "*kvperhead*"], cwd=PACKAGE, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     names = proc.stdout.split()
     want = [v.uri for v in SPEC.variants if v.contract.name == "vllm_m3" and v.kv_scale.value != "per_head"]
@@ -106,8 +106,8 @@ def test_list_filters_by_name():
 
 
 def test_list_into_a_closed_pipe_stops_quietly():
-    """`python -m codegen list | head -1`: the reader is gone before the list is written."""
-    proc = subprocess.Popen([sys.executable, "-m", "codegen", "list"], cwd=ROOT, stdout=subprocess.PIPE,
+    """`python -m kvforge.codegen list | head -1`: the reader is gone before the list is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvforge.codegen", "list"], cwd=PACKAGE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # long before the child has imported anything
     err = proc.stderr.read()
@@ -117,7 +117,7 @@ def test_list_into_a_closed_pipe_stops_quietly():
 def test_broken_yaml_fails_check_with_the_line(tmp_path):
     bad = tmp_path / "variants.yaml"
     bad.write_text(VARIANTS_YAML.read_text().replace("  norm: gemma", "  norm: gemma\n  norm: plain", 1))
-    proc = subprocess.run([sys.executable, "-m", "codegen", "check", "--spec", str(bad)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "kvforge.codegen", "check", "--spec", str(bad)], cwd=PACKAGE,
                           capture_output=True, text=True)
     assert proc.returncode == 1
     assert "variants.yaml:" in proc.stderr and "duplicate key 'norm'" in proc.stderr

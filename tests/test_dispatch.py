@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from runtime import dispatch
-from runtime.abi import Args
+from kvforge.runtime import dispatch
+from kvforge.runtime.abi import Args
 
 WORDS = ctypes.sizeof(Args) // 8
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from codegen import expr as ex
+from kvforge.codegen import expr as ex
 
 
 @pytest.mark.parametrize("text,value", [

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from codegen.model import Fp8
-from codegen.paths import INCLUDE, ROOT
-from runtime import toolchain
-from runtime.reference import to_fp8
+from kvforge.codegen.model import Fp8
+from kvforge.codegen.paths import INCLUDE
+from kvforge.runtime import toolchain
+from kvforge.runtime.reference import to_fp8
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-NATIVE = ROOT / "tests" / "native" / "fp8_codes.cu"
+NATIVE = Path(__file__).parent / "native" / "fp8_codes.cu"
 
 
 def _inputs() -> torch.Tensor:

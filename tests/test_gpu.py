@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from benchmarks.tune import launches
-from codegen.layout import access
-from codegen.model import IndexMode
-from runtime import build, fused_qknorm_rope_cache, toolchain
-from runtime.abi import V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON
-from runtime.api import launch_with
-from runtime.registry import spec, source_of
-from runtime.testing import (ReferenceCheck, check_against_reference, make_inputs, poison, v_loop_tokens,
+from kvforge.codegen.layout import access
+from kvforge.codegen.model import IndexMode
+from kvforge.runtime import build, fused_qknorm_rope_cache, toolchain
+from kvforge.runtime.abi import V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON
+from kvforge.runtime.api import launch_with
+from kvforge.runtime.registry import spec, source_of
+from kvforge.runtime.testing import (ReferenceCheck, check_against_reference, make_inputs, poison, v_loop_tokens,
                              with_outputs)
-from runtime.tuning import Launch, TuningError
+from kvforge.runtime.tuning import Launch, TuningError
 
 pytestmark = pytest.mark.gpu
 VARIANTS = spec().variants
@@ -225,7 +225,7 @@ def test_back_to_back_calls_read_what_the_previous_one_wrote(graph):
 def test_launch_with_reads_no_tuned_table(monkeypatch):
     """The tuner replaces a stale table, so a launch it names must not read one; a call
     that takes its launch from the table reports the table's error."""
-    import runtime.api
+    import kvforge.runtime.api
 
     def stale(device):
         raise TuningError(f"{device}: a stale table")
@@ -243,7 +243,7 @@ def test_launch_with_reads_no_tuned_table(monkeypatch):
 def test_a_signature_validated_before_launches_from_the_table(monkeypatch):
     """The second call of a signature is not validated again; it writes with its own
     tensors' pointers, as the reference says."""
-    import runtime.api
+    import kvforge.runtime.api
 
     v = _seed_variant()
     fused_qknorm_rope_cache(**with_outputs(make_inputs(v, 16, 8, 2, slots="decode", device="cuda", seed=1)))

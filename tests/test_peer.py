@@ -6,7 +6,7 @@ import torch
 
 from benchmarks.bench import CONFIGS, TP, find_variant
 from benchmarks.unfused import layouts, unfused
-from runtime.testing import MUTABLE, check_against_reference, make_inputs, with_outputs
+from kvforge.runtime.testing import MUTABLE, check_against_reference, make_inputs, with_outputs
 
 CASES = [(name, tp) for name in CONFIGS for tp in (1, 8)]
 

@@ -3,11 +3,11 @@ caches read back through hand-written index formulas (not the contracts' express
 import pytest
 import torch
 
-from codegen.model import Fp8, IndexMode
-from runtime import fused_qknorm_rope_cache
-from runtime.reference import FP8_DTYPES, to_fp8
-from runtime.registry import spec
-from runtime.testing import make_inputs, with_outputs
+from kvforge.codegen.model import Fp8, IndexMode
+from kvforge.runtime import fused_qknorm_rope_cache
+from kvforge.runtime.reference import FP8_DTYPES, to_fp8
+from kvforge.runtime.registry import spec
+from kvforge.runtime.testing import make_inputs, with_outputs
 
 from spec_loop import spec_forward
 
@@ -118,8 +118,8 @@ def test_vllm_nhd_accepts_k_and_v_unbound_from_one_tensor():
 def test_a_reference_check_restores_the_poison_before_each_run():
     """The tuner checks every launch of a count against one ReferenceCheck: a run that wrote
     where nothing is addressed fails, and must not leave its writes to the next run."""
-    from runtime.api import reference_qknorm_rope_cache
-    from runtime.testing import ReferenceCheck
+    from kvforge.runtime.api import reference_qknorm_rope_cache
+    from kvforge.runtime.testing import ReferenceCheck
 
     v = SPEC.variants[0]
     check = ReferenceCheck(make_inputs(v, 5, 8, 2, slots="decode", seed=2))
@@ -138,8 +138,8 @@ def test_a_reference_check_restores_the_poison_before_each_run():
 def test_a_reference_check_fails_a_kernel_that_writes_its_inputs():
     """Its launches share the inputs: a run that wrote into one fails, and the next run
     gets them back."""
-    from runtime.api import reference_qknorm_rope_cache
-    from runtime.testing import ReferenceCheck
+    from kvforge.runtime.api import reference_qknorm_rope_cache
+    from kvforge.runtime.testing import ReferenceCheck
 
     check = ReferenceCheck(make_inputs(SPEC.variants[0], 5, 8, 2, slots="decode", seed=2))
 

@@ -59,11 +59,11 @@ def test_shared_memory_has_no_hazard_under_compute_sanitizer(tool, part):
 
 
 def _calls(part, uris):
-    from runtime.abi import V_LOOP_OFF, V_LOOP_ON
-    from runtime.api import launch_with
-    from runtime.registry import spec
-    from runtime.testing import check_against_reference, make_inputs, v_loop_tokens
-    from runtime.tuning import Launch
+    from kvforge.runtime.abi import V_LOOP_OFF, V_LOOP_ON
+    from kvforge.runtime.api import launch_with
+    from kvforge.runtime.registry import spec
+    from kvforge.runtime.testing import check_against_reference, make_inputs, v_loop_tokens
+    from kvforge.runtime.tuning import Launch
 
     variants = {v.uri: v for v in spec().variants}
     for uri in uris:

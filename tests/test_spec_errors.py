@@ -3,7 +3,7 @@ import textwrap
 
 import pytest
 
-from codegen.model import SpecError, parse_spec
+from kvforge.codegen.model import SpecError, parse_spec
 
 BASE = textwrap.dedent("""\
     version: 1

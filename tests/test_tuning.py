@@ -4,13 +4,13 @@ import json
 import pytest
 
 from benchmarks.tune import choose, launches, launches_per_count, ranges, tps
-from codegen.layout import max_lanes_per_thread, v_transposed
-from codegen.paths import TUNED
-from runtime.abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
+from kvforge.codegen.layout import max_lanes_per_thread, v_transposed
+from kvforge.codegen.paths import TUNED
+from kvforge.runtime.abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
                          MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF,
                          V_LOOP_ON)
-from runtime.registry import spec
-from runtime.tuning import DEFAULT, Launch, TuningError, load, parse, pick, table_for
+from kvforge.runtime.registry import spec
+from kvforge.runtime.tuning import DEFAULT, Launch, TuningError, load, parse, pick, table_for
 
 
 def table(choices):
@@ -115,7 +115,7 @@ def test_defaults_resolve_as_the_library_does():
 
 
 def test_launch_with_refuses_a_launch_the_library_would_not_take():
-    from runtime.api import launch_with
+    from kvforge.runtime.api import launch_with
 
     with pytest.raises(ValueError, match=r"^launch_with: depth must be 0\.\.\d+, got 9; v_loop must be 0\.\.2, got -1$"):
         launch_with(Launch(9, 1, -1))
