@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 _API = ("fused_qknorm_rope_cache", "minimax_m3_qknorm_rope_cache_shuffle_insert",
-        "UnlistedVariantWarning")
+        "UnlistedVariantWarning", "add_variants")
 __all__ = list(_API)
 
 

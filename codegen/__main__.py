@@ -1,11 +1,15 @@
 """`python -m kvforge.codegen [generate|check|list|compile]`.
 
 generate (default)  regenerate generated/ from variants.yaml (write-if-different)
-check               exit 1 if generated/ is stale or variants.yaml is invalid
+check               exit 1 if generated/ is stale or a variants file is invalid
 list                print the variants (optionally filtered)
-compile             build every generated variant for the given targets (sm_XX with
-                    nvcc; gfxNNN device code with clang's HIP mode), fail on any
-                    error or warning, print how many compiled per target
+compile             build every variant for the given targets (sm_XX with nvcc; gfxNNN
+                    device code with clang's HIP mode) into the kernel cache, showing
+                    progress; fail on any error or warning
+
+--variants FILE (and KVFORGE_VARIANTS) lays a user's variants file over the shipped one:
+its contracts and families join the list and the compile; generated/ holds only the
+shipped variants (the others are rendered when built).
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ import sys
 import time
 
 from .model import SpecError, Variant, load_spec
-from .paths import GENERATED, VARIANTS_YAML
-from .render import generate
+from .paths import VARIANTS_YAML, user_variant_files
+from .render import generate, source_of
 
 
 def _select(variants, include: list[str], exclude: list[str]) -> list[Variant]:
@@ -38,23 +42,40 @@ def _select(variants, include: list[str], exclude: list[str]) -> list[Variant]:
 
 
 def _compile(variants: list[Variant], targets: list[str], jobs: int) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from kvforge.runtime import build, toolchain
 
+    console = Console(stderr=True)
     failures = 0
-    for target in targets:
-        start = time.monotonic()
-        try:
-            if target.startswith("gfx"):
-                tc = toolchain.amd_check(target)
-            else:
-                tc = toolchain.detect(is_rocm=False, arch=target)
-            job_list = [build.Job(v.uri, (GENERATED / f"{v.uri}.hip").read_text()) for v in variants]
-            count = len(build.build_many(job_list, tc, parallel=jobs))
-        except Exception as e:  # report every target, then fail
-            failures += 1
-            print(f"{target}: FAILED: {e}", file=sys.stderr)
-            continue
-        print(f"{target}: {count}/{len(variants)} variants compiled ({time.monotonic() - start:.1f} s)")
+    sources = [build.Job(v.uri, source_of(v)) for v in variants]
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console) as bar:
+        for target in targets:
+            start = time.monotonic()
+            task = bar.add_task(target, total=len(variants))
+            try:
+                if target.startswith("gfx"):
+                    tc = toolchain.amd_check(target)
+                else:
+                    tc = toolchain.detect(is_rocm=False, arch=target)
+                cached = sum(job.library(tc, build.cache_root()).exists() for job in sources)
+                bar.update(task, completed=cached)
+
+                def progress(built: int, line: str, task=task, cached=cached, target=target) -> None:
+                    bar.update(task, completed=cached + built)
+                    if not console.is_terminal:  # a log (CI): a line per library, as ninja's
+                        console.print(f"{target}: [{cached + built}/{len(variants)}] {line}",
+                                      highlight=False, soft_wrap=True)
+
+                count = len(build.build_many(sources, tc, parallel=jobs, progress=progress))
+            except Exception as e:  # report every target, then fail
+                failures += 1
+                console.print(f"{target}: FAILED: {e}", markup=False, highlight=False)
+                continue
+            console.print(f"{target}: {count}/{len(variants)} variants compiled "
+                          f"({time.monotonic() - start:.1f} s)", highlight=False)
     return 1 if failures else 0
 
 
@@ -63,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="generate",
                         choices=("generate", "check", "list", "compile"))
-    parser.add_argument("--spec", default=str(VARIANTS_YAML), help="the variant matrix")
+    parser.add_argument("--spec", default=str(VARIANTS_YAML), help="the shipped variant matrix")
+    parser.add_argument("--variants", action="append", default=[], metavar="FILE",
+                        help="a user's variants file laid over it (repeatable; after KVFORGE_VARIANTS's)")
     parser.add_argument("--filter", action="append", default=[], metavar="GLOB",
                         help="only variants whose name matches (repeatable)")
     parser.add_argument("--exclude", action="append", default=[], metavar="GLOB",
@@ -73,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile: parallel jobs")
     args = parser.parse_args(argv)
     try:
-        spec = load_spec(args.spec)
+        overlays = [*user_variant_files(), *args.variants]
+        spec = load_spec(args.spec, *overlays)
+        shipped = load_spec(args.spec) if overlays else spec
     except SpecError as e:
         print(e, file=sys.stderr)
         return 1
@@ -81,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         chosen = _select(spec.variants, args.filter, args.exclude)
         for v in chosen:
             print(v.uri)
-        print(f"{len(chosen)} variants ({len(spec.variants)} in {os.path.basename(args.spec)}, "
+        files = os.path.basename(args.spec) + "".join(f" + {f}" for f in overlays)
+        print(f"{len(chosen)} variants ({len(spec.variants)} in {files}, "
               f"{len(spec.families)} families, {len(spec.contracts)} contracts)", file=sys.stderr)
         return 0
     if args.command == "check":
-        report = generate(spec, dry_run=True)
+        report = generate(shipped, dry_run=True)
         if report.stale:
             for name in report.written:
                 print(f"stale: generated/{name}", file=sys.stderr)
@@ -93,18 +119,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"orphan: generated/{name}", file=sys.stderr)
             print("generated/ is out of date: run `python -m kvforge.codegen`", file=sys.stderr)
             return 1
-        print(f"generated/ is current ({len(spec.variants)} variants)")
+        print(f"generated/ is current ({len(shipped.variants)} variants)")
         return 0
     if args.command == "compile":
         chosen = _select(spec.variants, args.filter, args.exclude)
-        stale = generate(spec, dry_run=True).stale
+        stale = generate(shipped, dry_run=True).stale
         if stale:
             print("generated/ is out of date: run `python -m kvforge.codegen` first", file=sys.stderr)
             return 1
         return _compile(chosen, [t.strip() for t in args.target.split(",") if t.strip()], args.jobs)
-    report = generate(spec)
-    print(f"{len(report.written)} written, {len(report.unchanged)} unchanged, "
-          f"{len(report.removed)} removed ({len(spec.variants)} variants)")
+    report = generate(shipped)
+    sources = [[name for name in names if name.endswith(".hip")]
+               for names in (report.written, report.unchanged, report.removed)]
+    print(f"{len(shipped.variants)} variants: {len(sources[0])} sources written, "
+          f"{len(sources[1])} unchanged, {len(sources[2])} removed"
+          + ("; manifest.json written" if "manifest.json" in report.written else ""))
     return 0
 
 

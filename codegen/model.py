@@ -6,6 +6,7 @@ frozen dataclasses and strict enums, so nothing downstream re-validates.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import itertools
@@ -137,6 +138,7 @@ class Contract:
     v: Cache
     index: Cache
     line: int = field(compare=False, hash=False, default=0)
+    source: str = field(compare=False, hash=False, default="variants.yaml")
 
     @property
     def combined_kv(self) -> bool:
@@ -213,6 +215,7 @@ class Family:
     name: str
     line: int
     variants: tuple[Variant, ...]
+    source: str = "variants.yaml"     # the file that lists it (an overlay's path as given)
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,11 @@ class Spec:
     families: tuple[Family, ...]
     defaults: Mapping[str, str]
     variants: tuple[Variant, ...]     # sorted by uri, deduplicated
+
+    def source_of(self, contract: str) -> str:
+        """`file:line` where a contract is defined."""
+        c = self.contracts[contract]
+        return f"{c.source}:{c.line}"
 
     def variant(self, uri: str) -> Variant:
         for v in self.variants:
@@ -451,7 +459,7 @@ def _parse_contract(errs: _Errors, name: str, data: Any, line: int) -> Contract 
                  "'shared' index slots need the index cache's page_size to equal the KV cache's")
         return None
     return Contract(name=name, engine=engine, scales=scales, saturation=saturation,
-                    round_before_quant=rbq, index_slots=slots, k=k, v=v, index=idx, line=line)
+                    round_before_quant=rbq, index_slots=slots, k=k, v=v, index=idx, line=line, source=errs.filename)
 
 
 # ----------------------------------------------------------------------------- variants
@@ -636,8 +644,7 @@ def _parse_family(errs: _Errors, i: int, data: Any, line: int, defaults: Mapping
     return Family(name=name or f"#{i}", line=sec.line, variants=tuple(sorted(variants.values(), key=lambda v: v.uri)))
 
 
-def parse_spec(text: str, filename: str = "variants.yaml") -> Spec:
-    errs = _Errors(filename)
+def _load_document(text: str, filename: str) -> LocDict:
     try:
         data = load(text)
     except yaml.MarkedYAMLError as e:
@@ -646,72 +653,118 @@ def parse_spec(text: str, filename: str = "variants.yaml") -> Spec:
         raise SpecError([f"{filename}:{line}: {e.problem or e.context}"]) from None
     except yaml.YAMLError as e:  # e.g. a character YAML cannot read: no line to give
         raise SpecError([f"{filename}: {e}"]) from None
-    top = _Section(errs, data if data is not None else LocDict(), "", 1,
-                   ("version", "defaults", "contracts", "families"))
+    return data if data is not None else LocDict()
+
+
+def _parse_defaults(errs: _Errors, top: _Section, base: Mapping[str, Any] | None) -> dict | None:
+    """The document's defaults: every axis for the shipped file; for an overlay, any
+    subset, laid over the shipped ones for that file's families. None when broken."""
+    n_before = len(errs.items)
+    sec = _Section(errs, top.data.get("defaults", LocDict()), "defaults",
+                   top.key_line("defaults"), [a for a in AXES if a != "contract"])
+    for axis in AXES:
+        if axis == "contract":
+            continue
+        if base is None and axis not in sec.data and "defaults" in top.data:
+            errs.add(sec.line, f"defaults.{axis}", "missing required key")
+        if isinstance(sec.data.get(axis), list):
+            errs.add(sec.key_line(axis), f"defaults.{axis}", "a default is one value, not a list")
+        elif axis in sec.data:
+            sec.get(axis, _DEFAULT_CHECKS[axis])
+    if not sec.ok or len(errs.items) > n_before:
+        return None
+    return {**(base or {}), **sec.data}
+
+
+def _parse_document(errs: _Errors, data: Any, base: Spec | None) -> tuple[dict, list[Family], dict] | None:
+    """One YAML document's contracts, families and defaults. `base` is the spec an overlay
+    adds to: its contracts may be used, not redefined; its defaults fill the overlay's."""
+    top = _Section(errs, data, "", 1, ("version", "defaults", "contracts", "families"))
     if not top.ok:
-        raise SpecError(errs.items)
-    version = top.get("version", _pos_int)
+        return None
+    version = top.get("version", _pos_int, required=base is None)
     if version not in (None, 1):
         errs.add(top.key_line("version"), "version", f"this generator reads version 1, got {version}")
-    for key in ("defaults", "contracts", "families"):
-        if key not in top.data:
-            errs.add(1, key, "missing required key")
-    n_before_defaults = len(errs.items)
-    defaults_sec = _Section(errs, top.data.get("defaults", LocDict()), "defaults",
-                            top.key_line("defaults"), [a for a in AXES if a != "contract"])
-    for axis in AXES:
-        if axis != "contract" and axis not in defaults_sec.data and "defaults" in top.data:
-            errs.add(defaults_sec.line, f"defaults.{axis}", "missing required key")
-        if isinstance(defaults_sec.data.get(axis), list):
-            errs.add(defaults_sec.key_line(axis), f"defaults.{axis}", "a default is one value, not a list")
-        elif axis in defaults_sec.data:
-            defaults_sec.get(axis, _DEFAULT_CHECKS[axis])
-    defaults_broken = len(errs.items) > n_before_defaults
+    if base is None:
+        for key in ("defaults", "contracts", "families"):
+            if key not in top.data:
+                errs.add(1, key, "missing required key")
+    defaults = _parse_defaults(errs, top, base.defaults if base else None)
+    known = dict(base.contracts) if base else {}
     contracts: dict[str, Contract] = {}
     csec = _Section(errs, top.data.get("contracts", LocDict()), "contracts",
                     top.key_line("contracts"), list(top.data.get("contracts") or {}))
     broken: set[str] = set()
     for name, body in csec.data.items():
+        if name in known:
+            errs.add(csec.key_line(name), f"contracts.{name}",
+                     f"already defined by {base.source_of(name)}; give the new layout its own name")
+            broken.add(name)
+            continue
         c = _parse_contract(errs, name, body, csec.key_line(name))
         if c:
             contracts[name] = c
         else:
             broken.add(name)
-    families: list[Family] = []
     raw_families = top.data.get("families", [])
     if not isinstance(raw_families, list):
         errs.add(top.key_line("families"), "families", "expected a list of families")
         raw_families = []
-    if not defaults_sec.ok or defaults_broken or "defaults" not in top.data:
-        raise SpecError(errs.items)  # every family point would repeat a defaults error
-    seen_names: dict[str, int] = {}
-    defaults = {**defaults_sec.data, "contract": None}
+    if defaults is None or (base is None and "defaults" not in top.data):
+        return None  # every family point would repeat a defaults error
+    families: list[Family] = []
+    seen_names = {f.name: f"{f.source}:{f.line}" for f in base.families} if base else {}
     for i, body in enumerate(raw_families):
-        fam = _parse_family(errs, i, body, _line_of(raw_families, i, top.line), defaults, contracts,
-                            broken)
+        fam = _parse_family(errs, i, body, _line_of(raw_families, i, top.line),
+                            {**defaults, "contract": None}, {**known, **contracts}, broken)
         if fam:
             if fam.name in seen_names:
                 errs.add(fam.line, f"families.{fam.name}",
-                         f"duplicate family name (first on line {seen_names[fam.name]})")
-            seen_names[fam.name] = fam.line
+                         f"duplicate family name (first at {seen_names[fam.name]})")
+            seen_names[fam.name] = f"{errs.filename}:{fam.line}"
             families.append(fam)
     # Layout checks need concrete sizes, so they run per variant (codegen.layout).
     from .layout import check_variant
     checked: set[tuple[str, str]] = set()
     for fam in families:
         for v in fam.variants:
+            if v.contract.name not in contracts:
+                continue  # the base file's contracts were checked with its own variants
             for role, message in check_variant(v):
                 key = (f"contracts.{v.contract.name}.caches.{role}", message)
                 if key not in checked:
                     checked.add(key)
                     errs.add(v.contract.line, key[0], f"{message} (in variant {v.uri})")
-    if errs.items:
+    return contracts, families, defaults
+
+
+def parse_spec(text: str, filename: str = "variants.yaml", base: Spec | None = None) -> Spec:
+    """Parse one variants file; with `base`, as an overlay whose contracts and families are
+    added to base's (a user's or an engine's own file over the shipped one)."""
+    errs = _Errors(filename)
+    parsed = _parse_document(errs, _load_document(text, filename), base)
+    if errs.items or parsed is None:
         raise SpecError(errs.items)
+    contracts, families, defaults = parsed
+    families = [dataclasses.replace(f, source=filename) for f in families]
+    if base is not None:
+        contracts = {**base.contracts, **contracts}
+        families = [*base.families, *families]
+        defaults = base.defaults
     unique = {v.uri: v for fam in families for v in fam.variants}
-    return Spec(contracts=contracts, families=tuple(families), defaults=defaults_sec.data,
+    return Spec(contracts=contracts, families=tuple(families), defaults=defaults,
                 variants=tuple(unique[u] for u in sorted(unique)))
 
 
-def load_spec(path: str | Path) -> Spec:
+def load_spec(path: str | Path, *overlays: str | Path) -> Spec:
+    """The shipped variants file (`path`), then each overlay laid over it in order. Errors
+    name the shipped file by its base name and an overlay by the path as given."""
     path = Path(path)
-    return parse_spec(path.read_text(encoding="utf-8"), path.name)
+    spec = parse_spec(path.read_text(encoding="utf-8"), path.name)
+    for overlay in overlays:
+        try:
+            text = Path(overlay).read_text(encoding="utf-8")
+        except OSError as e:
+            raise SpecError([f"{overlay}: cannot read the variants file ({e.strerror})"]) from None
+        spec = parse_spec(text, str(overlay), base=spec)
+    return spec

@@ -101,6 +101,14 @@ def render_variant(v: Variant) -> str:
         max_lanes=max_lanes_per_thread(v.head_dim, v.rotary_dim), caches=caches)
 
 
+def source_of(v: Variant) -> str:
+    """The checked-in source of a shipped variant, else a fresh rendering (a variant of a
+    user's variants file, or one no file lists). A contract name is never redefined by an
+    overlay, so a variant's name alone says whether generated/ holds its source."""
+    path = GENERATED / f"{v.uri}.hip"
+    return path.read_text() if path.exists() else render_variant(v)
+
+
 def manifest(spec: Spec) -> str:
     entries = [{"uri": v.uri, "axes": v.axes(), "input_hash": input_hash(v)} for v in spec.variants]
     families = {f.name: [v.uri for v in f.variants] for f in spec.families}

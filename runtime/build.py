@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 import threading
@@ -94,14 +95,33 @@ def write_ninja(jobs: Iterable[Job], tc: Toolchain, root: Path, ninja_file: Path
     return libs
 
 
-def run_ninja(ninja_file: Path, jobs: int | None = None, targets: Iterable[Path] = ()) -> None:
+def run_ninja(ninja_file: Path, jobs: int | None = None, targets: Iterable[Path] = (),
+              progress: Callable[[int, str], None] | None = None) -> None:
+    """Run ninja; `progress(finished, line)` is called as each edge finishes (ninja prints
+    a status line per finished edge when its output is not a terminal)."""
     cmd = ["ninja", "-f", str(ninja_file), "-k", "0"]
     if jobs:
         cmd += ["-j", str(jobs)]
     cmd += [str(t) for t in targets]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NINJA_STATUS": "[%f/%t] "})
+    # stderr is read whole by a thread so a chatty compiler can never block ninja on a full pipe.
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        m = _STATUS.match(line)
+        if m and progress:
+            progress(int(m.group(1)), line[m.end():].strip())
+    proc.wait()
+    reader.join()
     if proc.returncode != 0:
-        raise BuildError(f"kernel build failed ({' '.join(cmd)}):\n{proc.stdout[-6000:]}{proc.stderr[-2000:]}")
+        raise BuildError(f"kernel build failed ({' '.join(cmd)}):\n{''.join(out)[-6000:]}{''.join(err)[-2000:]}")
+
+
+_STATUS = re.compile(r"^\[(\d+)/\d+\] ")
 
 
 def build(job: Job, tc: Toolchain, root: Path | None = None, force: bool = False) -> Path:
@@ -135,9 +155,11 @@ def build_and_load(job: Job, tc: Toolchain, load: Callable[[str], Loaded]) -> Lo
 
 
 def build_many(jobs: list[Job], tc: Toolchain, root: Path | None = None,
-               parallel: int | None = None) -> list[Path]:
+               parallel: int | None = None,
+               progress: Callable[[int, str], None] | None = None) -> list[Path]:
     """Ahead-of-time: every job whose library is not in the cache, in one ninja run
-    (parallel), same commands as `build`; the libraries of all."""
+    (parallel), same commands as `build`; the libraries of all. `progress(built, line)`
+    follows the missing ones as they finish."""
     root = root or cache_root()
     # Only the missing ones: ninja's log lives in the temporary directory, and an output
     # its log does not name is rebuilt, so every library would be.
@@ -147,5 +169,5 @@ def build_many(jobs: list[Job], tc: Toolchain, root: Path | None = None,
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             ninja_file = Path(tmp) / "build.ninja"
             write_ninja(missing, tc, root, ninja_file)
-            run_ninja(ninja_file, jobs=parallel)
+            run_ninja(ninja_file, jobs=parallel, progress=progress)
     return [job.library(tc, root) for job in jobs]

@@ -1,8 +1,9 @@
 """Signature (a `Variant`) → loaded kernel library, built on first use.
 
-Variants listed in variants.yaml use their checked-in source from generated/; any
-other valid signature is rendered on the fly (same template, same checks), built,
-and a warning says how to list it.
+The variants known here are the shipped variants.yaml's plus those of the user's
+variants files (KVFORGE_VARIANTS, or `add_variants`). Shipped variants use their
+checked-in source from generated/; any other valid signature is rendered on the fly
+(same template, same checks) and built; one no file lists also warns how to list it.
 """
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import functools
 import threading
 import warnings
 
+from pathlib import Path
+
 from kvforge.codegen.model import Spec, Variant, load_spec
-from kvforge.codegen.paths import GENERATED, VARIANTS_YAML
-from kvforge.codegen.render import render_variant
+from kvforge.codegen.paths import VARIANTS_YAML, user_variant_files
+from kvforge.codegen.render import source_of
 
 from . import build as _build
 from . import toolchain as _toolchain
@@ -23,9 +26,13 @@ class UnlistedVariantWarning(UserWarning):
     pass
 
 
+_ADDED: list[Path] = []  # add_variants() files, after KVFORGE_VARIANTS's
+
+
 @functools.lru_cache(maxsize=1)
 def spec() -> Spec:
-    return load_spec(VARIANTS_YAML)
+    """The shipped variants.yaml with the user's variants files laid over it."""
+    return load_spec(VARIANTS_YAML, *user_variant_files(), *_ADDED)
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,21 +40,24 @@ def listed() -> frozenset[Variant]:
     return frozenset(spec().variants)
 
 
-def source_of(v: Variant) -> str:
-    """The checked-in source of a listed variant, else a fresh rendering."""
-    if v in listed():
-        path = GENERATED / f"{v.uri}.hip"
-        if path.exists():
-            return path.read_text()
-    return render_variant(v)
+def add_variants(path: str | Path) -> None:
+    """Lay a variants file (contracts and families, as in variants.yaml) over the ones known,
+    as KVFORGE_VARIANTS does at start-up. Raises SpecError, naming its lines, and then
+    changes nothing."""
+    load_spec(VARIANTS_YAML, *user_variant_files(), *_ADDED, path)
+    _ADDED.append(Path(path))
+    spec.cache_clear()
+    listed.cache_clear()
 
 
 def add_hint(v: Variant) -> str:
     axes = v.axes()
     contract = axes.pop("contract")
     lines = "\n".join(f"      {k}: {val}" for k, val in axes.items())
-    return (f"kvforge: variant {v.uri} is not in variants.yaml; it was rendered and built on "
-            f"first use. To ship it, add a family to variants.yaml and run `python -m kvforge.codegen`:\n"
+    return (f"kvforge: variant {v.uri} is in no variants file; it was rendered and built on first "
+            f"use. To list it, add a family to your variants file (KVFORGE_VARIANTS or "
+            f"kvforge.add_variants) or, in a checkout, to variants.yaml (then run "
+            f"`python -m kvforge.codegen`):\n"
             f"  - name: <family>\n    axes:\n      contract: {contract}\n{lines}")
 
 

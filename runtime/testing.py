@@ -20,6 +20,19 @@ from .reference import FP8_DTYPES
 _MODEL = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def sample_variants(variants, must: tuple[Variant, ...] = ()) -> list[Variant]:
+    """A few variants that still meet every contract and each FP8 flavour of the KV cache:
+    the fast tier's compile checks; the slow tier takes them all."""
+    chosen = {v.uri: v for v in must}
+    for key in (lambda v: v.contract.name, lambda v: v.fp8 if v.kv_fp8 else None):
+        seen = set()
+        for v in variants:
+            if key(v) is not None and key(v) not in seen:
+                seen.add(key(v))
+                chosen.setdefault(v.uri, v)
+    return sorted(chosen.values(), key=lambda v: v.uri)
+
+
 def rope_cos_sin(max_pos: int, rotary_dim: int, theta: float, dtype: torch.dtype,
                  device="cpu") -> torch.Tensor:
     """A real NeoX cos/sin table [max_pos, rotary_dim] = [cos | sin]."""

@@ -17,10 +17,12 @@ tuning/<name>.json; the runtime only reads those files, so nothing is tuned at r
 A device or variant without an entry gets 0 for each, the library's defaults.
 
 File format: {"device": "<torch.cuda.get_device_name()>", "abi": KVF_ABI_VERSION,
-"command": "...", "choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop, lanes],
-..., [null, depth, tile, v_loop, lanes]]}}, ranges ascending, the last one open; v_loop
-is KVF_V_LOOP_OFF (1) or _ON (2) where V is transposed, else 0. A table is read only by
-the ABI it was tuned for: what a launch field means may change with it.
+"choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop, lanes], ..., [null, depth,
+tile, v_loop, lanes]]}}, ranges ascending, the last one open; v_loop is KVF_V_LOOP_OFF (1)
+or _ON (2) where V is transposed, else 0. Only those keys are read; the tuner also records
+its provenance ("command", "date", "torch") and where its measured times went ("timings",
+a file under benchmarks/results/). A table is read only by the ABI it was tuned for: what
+a launch field means may change with it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,16 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+import kvforge
+
+REPO = Path(__file__).resolve().parents[1]
+if Path(kvforge.__file__).resolve().parent != REPO:
+    # Two checkouts, one environment: the last `pip install -e` owns the name `kvforge`.
+    raise pytest.UsageError(f"kvforge is imported from {Path(kvforge.__file__).parent}, not from this "
+                            f"checkout ({REPO}): run `pip install -e .` here first")
 
 
 def pytest_collection_modifyitems(config, items):

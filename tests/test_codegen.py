@@ -96,8 +96,10 @@ def test_layout_analysis_of_the_seed():
 
 
 def test_list_filters_by_name():
+    shipped_only = {k: v for k, v in os.environ.items() if k != "KVFORGE_VARIANTS"}
     proc = subprocess.run([sys.executable, "-m", "kvforge.codegen", "list", "--filter", "vllm_m3_*",
-                           "--exclude", "*kvperhead*"], cwd=PACKAGE, capture_output=True, text=True)
+                           "--exclude", "*kvperhead*"], cwd=PACKAGE, capture_output=True, text=True,
+                          env=shipped_only)
     assert proc.returncode == 0, proc.stderr
     names = proc.stdout.split()
     want = [v.uri for v in SPEC.variants if v.contract.name == "vllm_m3" and v.kv_scale.value != "per_head"]

@@ -1,5 +1,6 @@
 """The torch reference against the independent per-token loop of SPEC §1-§2, with the
-caches read back through hand-written index formulas (not the contracts' expressions)."""
+caches read back through the contracts' index expressions evaluated independently of the
+generator (layout_oracle), for every contract of every variants file."""
 import pytest
 import torch
 
@@ -9,37 +10,11 @@ from kvforge.runtime.reference import FP8_DTYPES, to_fp8
 from kvforge.runtime.registry import spec
 from kvforge.runtime.testing import make_inputs, with_outputs
 
+from kvforge.runtime.testing import sample_variants
+from layout_oracle import read
 from spec_loop import spec_forward
 
 SPEC = spec()
-
-
-def read_k(contract, cache, slot, D):
-    """[nkv, D] stored for `slot`, by each engine's documented layout."""
-    if contract == "vllm_shuffle16":
-        page, off = divmod(slot, 16)
-        return cache[page, :, :, off, :].reshape(cache.shape[1], D)  # [h, d//x, x] -> [h, d]
-    if contract == "sglang_nhd":
-        return cache[slot]
-    if contract == "vllm_nhd":
-        return cache[slot // 16, slot % 16]                   # [pages, 16, nkv, D]
-    if contract == "vllm_m3":
-        return cache[slot // 128, :, slot % 128, :D]          # [pages, nkv, 128, 2D]: K half
-    raise KeyError(contract)
-
-
-def read_v(contract, cache, slot, D):
-    if contract == "vllm_shuffle16":
-        x = 16 // cache.element_size()
-        page, off = divmod(slot, 16)
-        return cache[page, :, off // x, :, off % x]
-    if contract == "vllm_m3":
-        return cache[slot // 128, :, slot % 128, D:]          # V half
-    return read_k(contract, cache, slot, D)
-
-
-def read_index(contract, cache, slot):
-    return cache.reshape(-1, cache.shape[-1])[slot]  # [pages, page_size, D] row-major
 
 
 def close(a, b, what):
@@ -51,7 +26,8 @@ def close(a, b, what):
     torch.testing.assert_close(a, b, rtol=2 ** -2 if fp8 else 2 ** -6, atol=2 ** -5, msg=what)
 
 
-CASES = SPEC.variants[::3]
+# Every third variant, and a sample that meets every contract (a user's included).
+CASES = sorted({*SPEC.variants[::3], *sample_variants(SPEC.variants)}, key=lambda v: v.uri)
 
 
 @pytest.mark.parametrize("variant", CASES, ids=lambda v: v.uri)
@@ -74,20 +50,20 @@ def test_reference_matches_the_spec_loop(variant):
         saturate=variant.contract.saturation.value == "saturate",
         index_fp8=fp8 if variant.index_fp8 else None,
         round_before_quant=variant.contract.round_before_quant)
-    D, c = variant.head_dim, variant.contract.name
+    D, c, nkv = variant.head_dim, variant.contract.name, variant.num_kv_heads
     close(q, loop["q_out"], "q_out")
     assert len(loop["k"]) == 8  # 11 tokens, 3 padded
     k_cache = args.get("k_cache", args.get("kv_cache"))
     v_cache = args.get("v_cache", args.get("kv_cache"))
     for t, (slot, k) in loop["k"].items():
-        close(read_k(c, k_cache, slot, D), k, f"k[{t}]")
+        close(read(c, "k", k_cache, slot, nkv, D), k, f"k[{t}]")
     for t, (slot, v) in loop["v"].items():
-        got = read_v(c, v_cache, slot, D).contiguous()
+        got = read(c, "v", v_cache, slot, nkv, D).contiguous()
         assert torch.equal(got.view(torch.uint8), v.view(torch.uint8)), f"v[{t}]"  # V is a copy
     if full:
         close(iq, loop["index_q_out"], "index_q_out")
         for t, (slot, ik) in loop["index"].items():
-            close(read_index(c, args["index_cache"], slot), ik, f"index[{t}]")
+            close(read(c, "index", args["index_cache"], slot, nkv, D)[0], ik, f"index[{t}]")
     else:
         assert iq is None and loop["index"] == {}
 
