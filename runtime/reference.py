@@ -133,12 +133,6 @@ def _scatter(v: Variant, role: str, cache: torch.Tensor, slots: torch.Tensor,
         write_slots(acc, cache, slots[keep], values[keep])
 
 
-def _assign_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """out[rows] = values[rows], through integer views (CPU index_put lacks FP8)."""
-    bits = _BITS[out.element_size()]
-    out.view(bits)[rows] = values.view(bits)[rows]
-
-
 def _quant_kv(v: Variant, x: torch.Tensor, scale: Optional[torch.Tensor], cache_dtype) -> torch.Tensor:
     if v.kv_scale is KvScale.NONE:
         return x.to(cache_dtype)
@@ -163,24 +157,28 @@ def run(v: Variant, t: Tensors) -> None:
     def normed(heads: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return rope(rms_norm(heads, w, t.eps, v.norm, R), t.cos_sin_cache, pos_c, R)
 
-    # Outputs of tokens whose position has no cos/sin row are left alone, as the kernel does.
-    q = normed(x[:, :nq], t.q_norm_weight)
-    _assign_rows(t.q_out.view(T, nq, D), valid_pos, q.to(model))
+    # SPEC §1: a token whose position has no cos/sin row writes zeros to its q_out and
+    # index_q_out rows and nothing to any cache (K, V and index alike).
+    def zero_invalid(y: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid_pos.view(-1, 1, 1), y, torch.zeros((), dtype=y.dtype))
+
+    t.q_out.view(T, nq, D).copy_(zero_invalid(normed(x[:, :nq], t.q_norm_weight)).to(model))
     k = normed(x[:, nq:nq + nkv], t.k_norm_weight)
     k_src = k.to(model).float() if rbq else k
     vv = x[:, nq + nkv:nq + 2 * nkv]
     n_slots = t.slot_mapping.numel()
     slots = t.slot_mapping.long()
-    k_slots = torch.where(valid_pos[:n_slots], slots, torch.full_like(slots, -1))
+    kv_slots = torch.where(valid_pos[:n_slots], slots, torch.full_like(slots, -1))
     k_vals = _quant_kv(v, k_src[:n_slots], t.k_scale, t.k_cache.dtype)
     v_vals = _quant_kv(v, vv[:n_slots], t.v_scale, t.v_cache.dtype)
-    _scatter(v, "k", t.k_cache, k_slots, k_vals)
-    _scatter(v, "v", t.v_cache, slots, v_vals)
+    _scatter(v, "k", t.k_cache, kv_slots, k_vals)
+    _scatter(v, "v", t.v_cache, kv_slots, v_vals)
     if v.index_mode is not IndexMode.FULL:
         return
     base = nq + 2 * nkv
     iq = normed(x[:, base:base + niq], t.index_q_norm_weight)
     ik = normed(x[:, base + niq:base + niq + 1], t.index_k_norm_weight)
+    iq = zero_invalid(iq)
     if v.index_fp8:
         iq_out = to_fp8(iq, v.fp8, saturate=True)
         ik_src = ik.to(model).float() if rbq else ik
@@ -188,7 +186,7 @@ def run(v: Variant, t: Tensors) -> None:
     else:
         iq_out = iq.to(model)
         ik_vals = ik.to(model)
-    _assign_rows(t.index_q_out.view(T, niq, D), valid_pos, iq_out)
+    t.index_q_out.view(T, niq, D).copy_(iq_out)
     n_islots = t.index_slot_mapping.numel()
     islots = t.index_slot_mapping.long()
     islots = torch.where(valid_pos[:n_islots], islots, torch.full_like(islots, -1))

@@ -13,8 +13,8 @@ from kvforge.runtime import build, fused_qknorm_rope_cache, toolchain
 from kvforge.runtime.abi import V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON
 from kvforge.runtime.api import launch_with
 from kvforge.runtime.registry import spec, source_of
-from kvforge.runtime.testing import (ReferenceCheck, check_against_reference, make_inputs, poison, v_loop_tokens,
-                             with_outputs)
+from kvforge.runtime.testing import (ReferenceCheck, check_against_reference, make_inputs, poison,
+                                     sample_variants, v_loop_tokens, with_outputs)
 from kvforge.runtime.tuning import Launch, TuningError
 
 pytestmark = pytest.mark.gpu
@@ -319,7 +319,41 @@ def test_out_of_range_slots_and_positions_are_guarded():
     args["slot_mapping"][0] = cap + 5
     args["positions"][1] = args["cos_sin_cache"].shape[0] + 3
     stats = check_against_reference(args, fused_qknorm_rope_cache)
-    assert stats["q_out"]["addressed"] == 15 * 8 * v.head_dim
+    assert stats["q_out"]["addressed"] == 16 * 8 * v.head_dim  # the bad position's row: zeros
+
+
+def _bad_positions(args, tokens):
+    """Out-of-range positions (SPEC §1) on tokens spread over the call, inside prefill runs
+    (so a V run of a SHUFFLE page has a hole), at both ends of the range and far past it."""
+    max_pos = args["cos_sin_cache"].shape[0]
+    bad = [0, 5, tokens // 2, tokens // 2 + 1, tokens - 1]
+    for t, pos in zip(bad, (-1, max_pos, -(2 ** 40), max_pos + 7, 2 ** 40)):
+        args["positions"][t] = pos
+    return bad
+
+
+@pytest.mark.parametrize("launch", [None, "every"], ids=["tuned", "every-launch"])
+@pytest.mark.parametrize("variant", sample_variants(VARIANTS), ids=lambda v: v.uri)
+def test_out_of_range_positions_write_zeros_and_no_cache(variant, launch):
+    """A token whose position has no cos/sin row writes zeros to its q_out and index_q_out
+    rows and nothing into any cache, V included; its neighbours are written as usual.
+    Outputs and caches are poisoned first (check_against_reference), so a row left alone
+    or a cache element written shows."""
+    tokens = V_LOOP_MIN_TOKENS + 37
+    niq = 0 if variant.index_mode is IndexMode.NONE else 2
+    args = make_inputs(variant, tokens, 8, niq, slots="prefill", pad=3, device="cuda",
+                       seed=zlib.crc32(variant.uri.encode()))
+    bad = _bad_positions(args, tokens)
+    check = ReferenceCheck(args, ref_device="cuda")
+    runs = [lambda **a: fused_qknorm_rope_cache(**a)] if launch is None else [
+        lambda launch=la, **a: launch_with(launch, **a)() for la in launches(variant)]
+    for run in runs:
+        check(run)
+    got = with_outputs(args)
+    fused_qknorm_rope_cache(**got)
+    assert not got["q_out"][bad].view(torch.uint8).any()
+    if niq:
+        assert not got["index_q_out"][bad].view(torch.uint8).any()
 
 
 def test_vllm_nhd_views_unbound_from_one_allocation():

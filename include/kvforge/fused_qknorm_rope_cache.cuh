@@ -622,7 +622,7 @@ struct Fused {
     };
     auto fetch = [&](Meta<kSub>& m, int64_t t) {
       const bool live = !idle && t < a.num_tokens;
-      m.pos = live && r.kind != kV ? a.positions[t] : 0;
+      m.pos = live ? a.positions[t] : 0;  // V lanes too: a token without a cos/sin row writes no V
       m.slot = live && has_slot && t < nslots ? slots[t] : -1;
     };
     auto fetch_cos_sin = [&](Meta<kSub>& m) {
@@ -769,7 +769,7 @@ struct Fused {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) unpack8<M>(x[c], f[c]);
     if (kind == kV) {
-      if (!slot_ok<typename VT::V>(a.v_cache, slot)) return;
+      if (m.pos < 0 || !slot_ok<typename VT::V>(a.v_cache, slot)) return;
       if constexpr (kStageV) {
         put_v_by_dim<kSub>(a.v_cache, kv_inv, slot, head, lane, d0, x, f);
       } else {
@@ -813,7 +813,14 @@ struct Fused {
         for (int j = 0; j < kVec; ++j) n[i][j] = (f[2 * s + i][j] * inv) * w[j];
       }
       rope(m.cs[s], a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, Sub<kSub>::rotary(s, lane), n, y);
-      if (m.pos < 0) return;
+      if (m.pos < 0) {  // no cos/sin row (SPEC §1): zeros to q_out and index_q_out, no cache write
+        if (kind == kK || kind == kIK) return;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) y[i][j] = 0.f;
+        }
+      }
       store_normed<kSub>(a, kind, head, slot, kv_inv, t, d0, s, y);
     }
   }
@@ -903,7 +910,11 @@ struct Fused {
       const int64_t col = int64_t(a.num_heads + NKV + h) * D + d0;
       // The group's slots, lane l holding token l's, and whether they are one aligned
       // run; these loads and the rows' go out together.
-      const int64_t slot = lane < n ? a.slot_mapping[t0 + lane] : -1;
+      // A token whose position has no cos/sin row writes no V (SPEC §1): its slot counts as
+      // none, which also breaks the run it would have been part of.
+      const int64_t slot_of = lane < n ? a.slot_mapping[t0 + lane] : -1;
+      const int64_t pos = lane < n ? a.positions[t0 + lane] : 0;
+      const int64_t slot = pos >= 0 && pos < a.max_pos ? slot_of : -1;
       const int64_t s0 = n > 0 ? a.slot_mapping[t0] : -1;
       uint4 raw[G];
 #pragma unroll
