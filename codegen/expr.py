@@ -2,7 +2,7 @@
 
 A contract writes shapes and element positions as small integer expressions
 (`d // x`, `off % x`, `D + d`). They are parsed here into a tiny AST and only
-ever *emitted* (as C++ for the kernel, evaluated on ints or torch tensors for the
+ever *emitted* (as C++ for the kernel, evaluated on ints or integer arrays for the
 reference and the layout analysis); nothing from the YAML is pasted or `eval`ed.
 
 Grammar::
@@ -102,7 +102,7 @@ def _render(e: Expr, name_of: Callable[[Sym], str], div: str) -> str:
 
 
 def evaluate(e: Expr, env: Mapping[str, Any]) -> Any:
-    """Evaluate on Python ints or torch integer tensors (both floor-divide)."""
+    """Evaluate on Python ints, numpy or torch integer arrays (all floor-divide)."""
     if isinstance(e, Num):
         return e.value
     if isinstance(e, Sym):

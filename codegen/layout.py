@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
+import numpy as np
 
 from . import expr as ex
 from .model import Cache, IndexDtype, KvScale, Variant
@@ -122,36 +122,35 @@ def access(v: Variant, role: str) -> CacheAccess:
                        d_vec=d_vec, slot_vec=slot_vec)
 
 
+# The proofs enumerate a page with numpy (the code generator does not import torch).
 def _page_grid(page_size: int, heads: int, head_dim: int):
-    off = torch.arange(page_size).view(-1, 1, 1)
-    h = torch.arange(heads).view(1, -1, 1)
-    d = torch.arange(head_dim).view(1, 1, -1)
+    off = np.arange(page_size, dtype=np.int64).reshape(-1, 1, 1)
+    h = np.arange(heads, dtype=np.int64).reshape(1, -1, 1)
+    d = np.arange(head_dim, dtype=np.int64).reshape(1, 1, -1)
     return off, h, d
 
 
-def _within_page(acc_offset: ex.Expr, free: tuple[int, ...], grid) -> torch.Tensor:
+def _within_page(acc_offset: ex.Expr, free: tuple[int, ...], grid) -> np.ndarray:
     """Element offsets of one page (page 0; free strides do not matter there)."""
     off, h, d = grid
     env = {"page": 0, "off": off, "h": h, "d": d}
     env.update({stride_symbol(i): 0 for i in free})
-    out = ex.evaluate(acc_offset, env)
-    if not isinstance(out, torch.Tensor):
-        out = torch.tensor(out)
-    return out.expand(off.shape[0], h.shape[1], d.shape[2]).to(torch.int64)
+    out = np.asarray(ex.evaluate(acc_offset, env), dtype=np.int64)
+    return np.broadcast_to(out, (off.shape[0], h.shape[1], d.shape[2]))
 
 
 def _vector_widths(v: Variant, cache: Cache, offset: ex.Expr, grid) -> tuple[int, int]:
     offs = _within_page(offset, cache.free, grid)
     max_elems = 16 // elem_size(v, cache.role)
 
-    def contiguous(t: torch.Tensor, w: int) -> bool:
+    def contiguous(t: np.ndarray, w: int) -> bool:
         # t's last dim is the candidate vector axis: aligned runs of w must be +1 steps
         # from an offset that is itself a multiple of w.
         if t.shape[-1] % w:
             return False
         runs = t.reshape(*t.shape[:-1], -1, w)
         step = runs - runs[..., :1]
-        return bool((step == torch.arange(w)).all() and (runs[..., 0] % w == 0).all())
+        return bool((step == np.arange(w)).all() and (runs[..., 0] % w == 0).all())
 
     d_vec = 1
     for w in (16, 8, 4, 2):
@@ -160,7 +159,7 @@ def _vector_widths(v: Variant, cache: Cache, offset: ex.Expr, grid) -> tuple[int
             break
     slot_vec = 1
     if d_vec == 1:
-        by_slot = offs.permute(1, 2, 0)  # (h, d, off): consecutive tokens of one page
+        by_slot = offs.transpose(1, 2, 0)  # (h, d, off): consecutive tokens of one page
         for w in (16, 8, 4, 2):
             if w <= max_elems and contiguous(by_slot, w):
                 slot_vec = w
@@ -196,7 +195,7 @@ def _plain_offset(cache: Cache, strides: list[int | None]) -> ex.Expr:
 def check_variant(v: Variant) -> list[tuple[str, str]]:
     """Layout problems of a variant's contract at its sizes, as (cache role, message)."""
     problems: list[tuple[str, str]] = []
-    pages: dict[str, torch.Tensor] = {}
+    pages: dict[str, np.ndarray] = {}
     for role in ("k", "v", "index"):
         cache: Cache = getattr(v.contract, role)
         syms = _symbols(v, cache)
@@ -220,20 +219,20 @@ def check_variant(v: Variant) -> list[tuple[str, str]]:
             except ZeroDivisionError as e:
                 problems.append((role, f"index[{i}]: {e}"))
                 break
-            val = torch.as_tensor(val)
+            val = np.asarray(val)
             if bool((val < 0).any()) or bool((val >= extents[i]).any()):
                 problems.append((role, f"index[{i}] '{idx}' leaves the extent "
                                  f"{extents[i]} of shape[{i}] '{cache.shape[i]}'"))
                 break
         else:
             acc = ex.substitute(_plain_offset(cache, _strides(cache, extents)), syms)
-            offs = _within_page(acc, cache.free, (off, h, d)).flatten()
-            if offs.unique().numel() != offs.numel():
+            offs = _within_page(acc, cache.free, (off, h, d)).ravel()
+            if np.unique(offs).size != offs.size:
                 problems.append((role, "two (slot, head, dim) elements land on the same address"))
             elif role != "index" and "page" not in {s for e in cache.index for s in e.symbols()}:
                 problems.append((role, "never uses 'page'"))
             pages[role] = offs
     if (not problems and v.contract.combined_kv
-            and bool(torch.isin(pages["k"], pages["v"]).any())):
+            and bool(np.isin(pages["k"], pages["v"]).any())):
         problems.append(("v", "k and v share kv_cache but overlap"))
     return problems
