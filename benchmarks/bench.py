@@ -100,7 +100,7 @@ def copy_bandwidth(nbytes: int = 2 * 2 ** 30) -> float:
 
 # A case (bench.py, ab.py) or token count (tune.py) takes under a minute; a kernel that
 # never returns (an aligned barrier some threads reach at another instruction hung the
-# GPU tests and the tuner, NOTES session 25) would hold the device call to its limit.
+# GPU tests and the tuner, PERF.md session 25) would hold the device call to its limit.
 HANG_S = 300.0
 
 
@@ -122,7 +122,7 @@ def graph_us(calls: list, reps: int = 7, warmup_ms: float = 100.0) -> float:
 
     Replays for `warmup_ms` before timing: right after the reference check (GBs of
     temporaries allocated and freed), the first ~50 ms of replays ran 8-11% slower at
-    65536 tokens than the same graph later (benchmarks/NOTES.md)."""
+    65536 tokens than the same graph later (benchmarks/PERF.md, v6.1)."""
     for c in calls[:2]:
         c()
     torch.cuda.synchronize()
@@ -166,7 +166,7 @@ def same_bytes_copy_us(nbytes: int, n_sets: int, n_calls: int) -> float:
     launch and ramp included, with no math and no dependent reads. benchmarks/copy.hip,
     launched as the op is (dependent launches); torch's elementwise add (no dependent
     launch) was 4-5% slower at 46-84 MB, and `copy_` is a memcpy node in a graph, which ran
-    at 2.8 TB/s for 1.3 GB on the H200, below the 2 GiB eager copy (benchmarks/NOTES.md,
+    at 2.8 TB/s for 1.3 GB on the H200, below the 2 GiB eager copy (benchmarks/PERF.md,
     session 17)."""
     n = max(1, nbytes // 32) * 4  # int32 elements in whole 16-byte vectors: nbytes / 2 read, as many written
     bufs = [(torch.zeros(n, dtype=torch.int32, device="cuda"),

@@ -4,7 +4,7 @@
 // on the H200 at 40-323 MB (1-8 vectors per thread in flight; that grid or 2-16 blocks per
 // SM striding; streaming or plain accesses; with or without the dependent launch) this
 // shape was the fastest at every size (streaming or plain: neither at every size), and in
-// this plain form 4-5% faster than torch's elementwise add at 46-84 MB (benchmarks/NOTES.md,
+// this plain form 4-5% faster than torch's elementwise add at 46-84 MB (benchmarks/PERF.md,
 // session 17).
 #include "kvforge/hip_compat.h"
 

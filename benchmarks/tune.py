@@ -3,6 +3,7 @@ lanes per thread) per variant and token range on this GPU.
 
     python benchmarks/tune.py [--name h200] [--tokens 1,16,128,512,1024,2048,4096,8192,32768,65536]
                               [--all] [--resume] [--budget-s S] [--confirm-within 0.05]
+                              [--out DIR] [--results DIR]
 
 For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
 variant in variants.yaml) and token count, every depth a library holds
@@ -23,11 +24,14 @@ transposed, counts of 257..DECODE_MAX_TOKENS are also timed as decodes, the choi
 the other V place's best, and V's place is the one whose worst slowdown over prefills and
 decodes is smaller (again by more than 2% to move). Token ranges are split at the
 geometric midpoints between the measured counts (so the last decode-timed count's choice
-reaches to the midpoint above it); the table goes to tuning/<name>.json, with the build
-key of each variant it timed; the runtime reads it (runtime/tuning.py). Nothing is tuned
-at run time. Counts that fit one pass of the grid (every thread one token) run at depth 1
-whatever the depth, so there the depths time the same kernel and the 2% rule keeps the
-default.
+reaches to the midpoint above it); the table goes to tuning/<name>.json (the choices, one
+line per variant, and their provenance: command, date, GPU, torch, ABI), which the runtime
+reads (runtime/tuning.py), and every time measured to benchmarks/results/<name>_tune.jsonl
+(a header line with the build key of each variant timed, then one line per variant, count
+and pattern); with --out DIR both go to DIR unless --results names another. Nothing is
+tuned at run time. Counts that fit one pass of the grid (every thread one token) run at
+depth 1 whatever the depth, so there the depths time the same kernel and the 2% rule
+keeps the default.
 
 Each count's times go to <name>.json.partial as it is measured; --resume takes what it
 finds there for variants whose build is unchanged (same command, device, torch, ABI and
@@ -37,7 +41,7 @@ not finish in that many seconds from its start, judged by the most seconds per l
 its sweep (confirm round and decodes included) at that count and TPs so far (a count's
 first measurement is not guarded; the confirm round's size varies), leaving the
 file for --resume: a tune may take longer than one device call. The choices follow from
-the measured times alone (`pick`), so the table's measured_us re-derive its choices.
+the measured times alone (`pick`), so the timings file re-derives the table's choices.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench import CONFIGS, DECODE_UP_TO, TP, find_variant, graph_us, hang_watchdog, input_sets  # noqa: E402
+from benchmarks.report import RESULTS  # noqa: E402
 from kvforge.codegen.layout import max_lanes_per_thread, v_transposed  # noqa: E402
 from kvforge.codegen.model import IndexMode  # noqa: E402
 from kvforge.codegen.paths import TUNED  # noqa: E402
@@ -75,7 +80,7 @@ TUNER_FORMAT = 2
 # slots. Decode batches this large are plausible (an engine's decode step has up to
 # max_num_seqs tokens, each in its own page), and there V in the main loop was 1.3-2.6x
 # faster than the V loop while prefills of those counts favoured the V loop by up to 9%
-# (benchmarks/NOTES.md, v6.8).
+# (benchmarks/PERF.md, v6.8).
 DECODE_MAX_TOKENS = 4096
 CONFIRM_WITHIN = 0.05
 
@@ -202,16 +207,55 @@ def ranges(choices: list[tuple[int, Launch]]) -> list[list]:
     return out
 
 
+# What the runtime's table holds (runtime/tuning.py reads device, abi and choices; the rest
+# is provenance), and what the timings file's header line holds.
+TABLE_KEYS = ("device", "abi", "command", "date", "torch", "timings", "choices")
+TIMINGS_KEYS = ("device", "abi", "command", "date", "torch", "tuner", "builds")
+
+
+def table_text(table: dict) -> str:
+    """tuning/<name>.json: TABLE_KEYS of the tuner's state, one per line, each variant's
+    ranges on one line."""
+    lines = [f" {json.dumps(k)}: {json.dumps(table[k])}," for k in TABLE_KEYS if k != "choices"]
+    choices = [f"  {json.dumps(uri)}: {json.dumps(r)}" for uri, r in sorted(table["choices"].items())]
+    body = ' "choices": ' + ("{\n" + ",\n".join(choices) + "\n }" if choices else "{}")
+    return "{\n" + "\n".join(lines) + "\n" + body + "\n}\n"
+
+
+def timings_text(table: dict) -> str:
+    """benchmarks/results/<name>_tune.jsonl: a header line (TIMINGS_KEYS), then one line per
+    variant, token count and pattern with the µs of every launch timed there."""
+    lines = [json.dumps({k: table[k] for k in TIMINGS_KEYS}, sort_keys=True)]
+    for uri, counts in sorted(table["measured_us"].items()):
+        for t in sorted(counts, key=int):
+            for pattern, us in sorted(counts[t].items()):
+                lines.append(json.dumps({"variant": uri, "tokens": int(t), "pattern": pattern, "us": us},
+                                        sort_keys=True))
+    return "\n".join(lines) + "\n"
+
+
+def read_timings(text: str) -> dict:
+    """A timings file's header with its times gathered back as measured_us:
+    {variant: {str(tokens): {pattern: {launch key: µs}}}}."""
+    header, *records = (json.loads(line) for line in text.splitlines() if line.strip())
+    measured: dict = {}
+    for r in records:
+        measured.setdefault(r["variant"], {}).setdefault(str(r["tokens"]), {})[r["pattern"]] = r["us"]
+    return dict(header, measured_us=measured)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="h200", help="writes tuning/<name>.json")
-    ap.add_argument("--out", default=str(TUNED))
+    ap.add_argument("--out", default=str(TUNED), help="writes <name>.json there")
+    ap.add_argument("--results", default=None,
+                    help="writes <name>_tune.jsonl there (default: benchmarks/results, or --out where given)")
     # 512, 2048 and 4096 besides bench.py's counts: where SHUFFLE's V loop starts to pay
     # for prefills (between 128 and 1024 tokens for FP8 at four kv heads, 4096 at one).
     ap.add_argument("--tokens", default="1,16,128,512,1024,2048,4096,8192,32768,65536")
     ap.add_argument("--all", action="store_true", help="every listed variant, not only the benchmark's")
     ap.add_argument("--resume", action="store_true", help="take the counts <name>.json.partial holds")
-    # A launch's time moved 3-4% between one timing and the next in session 22 (NOTES),
+    # A launch's time moved 3-4% between one timing and the next in session 22 (PERF.md),
     # enough to pass the 2% rule: those that could win by that much are timed twice.
     ap.add_argument("--confirm-within", type=float, default=CONFIRM_WITHIN,
                     help="time again the launches whose worst slowdown is within this fraction of the "
@@ -237,10 +281,14 @@ def main() -> int:
              "tuner": TUNER_FORMAT,
              "command": f"python benchmarks/tune.py --name {args.name} --tokens {args.tokens}"
                         + f" --confirm-within {args.confirm_within:g}" + (" --all" if args.all else ""),
+             "date": time.strftime("%Y-%m-%d", time.gmtime()),
+             "timings": f"benchmarks/results/{args.name}_tune.jsonl",
              "builds": {job.uri: build.cache_key(job.source, tc) for job in jobs},
              "choices": {}, "measured_us": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    results = Path(args.results) if args.results else RESULTS if out.resolve() == TUNED.resolve() else out
+    results.mkdir(parents=True, exist_ok=True)
     partial = out / f"{args.name}.json.partial"
     if partial.exists() and not args.resume:
         ap.error(f"{partial} holds a run cut short: pass --resume to continue it, or remove it")
@@ -248,6 +296,7 @@ def main() -> int:
         done = json.loads(partial.read_text())
         if any(done.get(k) != table[k] for k in ("device", "torch", "abi", "tuner", "command")):
             ap.error(f"--resume: {partial} was made by another command, device, torch or tuner; remove it")
+        table["date"] = done.get("date", table["date"])  # the day the run began
         kept = [uri for uri in done["measured_us"] if done["builds"].get(uri) == table["builds"].get(uri)]
         for uri in kept:
             table["measured_us"][uri] = done["measured_us"][uri]
@@ -284,10 +333,12 @@ def main() -> int:
                   f"lanes {chosen.lanes}", flush=True)
         table["choices"][v.uri] = ranges([(t, pick(v, t, measured[str(t)])) for t in tokens])
         build.write_if_different(partial, json.dumps(table, indent=1, sort_keys=True) + "\n")
-    parse(table, "tuner output")  # what the runtime will accept
-    build.write_if_different(out / f"{args.name}.json", json.dumps(table, indent=1, sort_keys=True) + "\n")
+    text = table_text(table)
+    parse(json.loads(text), "tuner output")  # what the runtime will accept
+    build.write_if_different(results / f"{args.name}_tune.jsonl", timings_text(table))
+    build.write_if_different(out / f"{args.name}.json", text)
     partial.unlink(missing_ok=True)
-    print(f"wrote {out / (args.name + '.json')}")
+    print(f"wrote {out / (args.name + '.json')} and {results / (args.name + '_tune.jsonl')}")
     return 0
 
 

@@ -96,7 +96,7 @@ def _args(plan: _Plan, t: reference.Tensors, launch: tuning.Launch) -> Args:
 def _launch(launch: Callable, args, device_index: int) -> None:
     """launch(args, stream) on torch's current stream of that device."""
     # The tensors are on that device, so CUDA is initialized: read the current device
-    # without torch.cuda.current_device()'s lazy-init check (~1 µs per call).
+    # without torch.cuda.current_device()'s lazy-init check, paid on every call.
     if device_index != torch._C._cuda_getDevice():
         with torch.cuda.device(device_index):
             launch(args, _current_stream(device_index))

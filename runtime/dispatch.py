@@ -137,7 +137,7 @@ def table():
                               f"KVFORGE_HOST_DISPATCH=python silences this.", RuntimeWarning, stacklevel=3)
         t = t or PythonTable()
         # The current device and stream as torch's raw builtins: the bound tensors are on a
-        # GPU, so CUDA is initialized and torch.cuda's lazy-init checks (~1 µs) are not needed.
+        # GPU, so CUDA is initialized and torch.cuda's per-call lazy-init checks are not needed.
         t.configure(torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream, CAPACITY)
         _TABLE = t
     return _TABLE

@@ -1,10 +1,13 @@
-"""BENCHMARKS.md is what benchmarks/report.py renders from benchmarks/results (never edited
-by hand), and a record from before a column existed renders as "–"."""
+"""BENCHMARKS.md and PERF.md's figures block are what benchmarks/report.py renders from
+benchmarks/results (never edited by hand), and a record from before a column existed
+renders as "–"."""
 import json
 import shutil
 from pathlib import Path
 
-from benchmarks.report import RESULTS, write_report
+import pytest
+
+from benchmarks.report import PERF_BEGIN, PERF_END, RESULTS, write_perf, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,3 +58,30 @@ def test_the_targets_table_counts_each_case_and_names_the_misses(tmp_path):
     assert rows["≥ 1024 tokens: ≥ 15× eager"] == ["3 of 3", "–"]
     assert rows["host overhead per eager call: ≤ 15 µs"] == ["0 of 1", "15.5 µs"]
     assert "≤ 16 tokens: ≤ 2.0 µs" not in rows  # no case of that size in this run
+
+
+PERF = ROOT / "benchmarks" / "PERF.md"
+
+
+def test_perf_md_figures_are_rendered_from_the_results(tmp_path):
+    (tmp_path / "PERF.md").write_text(PERF.read_text())
+    write_perf(RESULTS, tmp_path / "PERF.md")
+    assert (tmp_path / "PERF.md").read_text() == PERF.read_text(), (
+        "benchmarks/PERF.md's figures are stale: run `python benchmarks/report.py`")
+
+
+def test_perf_md_is_short_and_only_its_block_is_generated(tmp_path):
+    """The hand-written text around the block survives a render byte for byte; the block's
+    old contents do not; a file without the markers is refused, not overwritten."""
+    assert len(PERF.read_text().splitlines()) <= 250
+    (tmp_path / "PERF.md").write_text(f"# hand\n\n{PERF_BEGIN}\nstale figures\n{PERF_END}\n\nmore hand text\n")
+    write_perf(RESULTS, tmp_path / "PERF.md")
+    text = (tmp_path / "PERF.md").read_text()
+    assert text.startswith(f"# hand\n\n{PERF_BEGIN}\nRun `h200.json` (")
+    assert text.endswith(f"\n{PERF_END}\n\nmore hand text\n") and "stale figures" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| vllm_m3 bf16 | 8 |")]
+    assert len(rows) == 1, rows
+    (tmp_path / "bare.md").write_text("# no markers\n")
+    with pytest.raises(ValueError, match="expected a line"):
+        write_perf(RESULTS, tmp_path / "bare.md")
+    assert (tmp_path / "bare.md").read_text() == "# no markers\n"

@@ -1,5 +1,6 @@
 """The tuned launch table (runtime/tuning.py) and the tuner's range building."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from kvforge.runtime.abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_
                          V_LOOP_ON)
 from kvforge.runtime.registry import spec
 from kvforge.runtime.tuning import DEFAULT, Launch, TuningError, load, parse, pick, table_for
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def table(choices):
@@ -230,6 +233,15 @@ def test_the_tuner_resumes_a_run_cut_short_and_retimes_what_was_rebuilt(tmp_path
     assert len(timed) == len(tune.CONFIGS) * 2 * 2 - 1
     assert not (tmp_path / "h200.json.partial").exists()
     assert len(load(tmp_path / "h200.json").choices) == len(tune.CONFIGS) * 2
+    # with --out alone, the timings go beside the table: every count of every variant, the
+    # resumed ones and the rebuilt first variant's new build key among them
+    timings = tune.read_timings((tmp_path / "h200_tune.jsonl").read_text())
+    assert {uri: set(counts) for uri, counts in timings["measured_us"].items()} == \
+        {uri: {"1", "16"} for uri in load(tmp_path / "h200.json").choices}
+    assert timings["builds"][first] == "new"
+    table = json.loads((tmp_path / "h200.json").read_text())
+    assert list(table) == list(tune.TABLE_KEYS) and table["timings"] == "benchmarks/results/h200_tune.jsonl"
+    assert table["device"] == timings["device"] == "GPU X" and table["date"] == timings["date"]
 
 
 def test_the_tuner_stops_before_a_count_it_could_not_finish_within_its_budget(tmp_path, monkeypatch, capsys):
@@ -337,18 +349,58 @@ def test_stored_tables_load_and_name_listed_variants():
             assert max(launch.lanes for _, launch in entries) <= max_lanes_per_thread(v.head_dim, v.rotary_dim), uri
 
 
+def _stored_tables():
+    """(path, its JSON, its timings file's text) of every table in tuning/."""
+    for path in sorted(TUNED.glob("*.json")):
+        table = json.loads(path.read_text())
+        yield path, table, (ROOT / table["timings"]).read_text()
+
+
 def test_stored_tables_choices_follow_from_their_measured_times():
-    from benchmarks.tune import TUNER_FORMAT
+    """...as the timings file beside each table (benchmarks/results/) records them, from the
+    same run: command, date, device, torch and ABI agree."""
+    from benchmarks.tune import TUNER_FORMAT, read_timings
     from benchmarks.tune import pick as tune_pick
 
     variants = {v.uri: v for v in spec().variants}
-    for path in sorted(TUNED.glob("*.json")):
-        raw = json.loads(path.read_text())
+    for path, table, text in _stored_tables():
+        raw = read_timings(text)
         assert raw.get("tuner") == TUNER_FORMAT, path
+        assert all(raw[k] == table[k] for k in ("device", "abi", "command", "date", "torch")), path
+        assert set(raw["measured_us"]) == set(table["choices"]) == set(raw["builds"]), path
         for uri, measured in raw["measured_us"].items():
             counts = sorted(map(int, measured))
             assert ranges([(t, tune_pick(variants[uri], t, measured[str(t)])) for t in counts]) == \
-                raw["choices"][uri], (path, uri)
+                table["choices"][uri], (path, uri)
+
+
+def test_stored_tables_are_in_the_tuners_compact_form():
+    """A table holds what the runtime reads and its provenance, a variant a line; the
+    timings file a header line, then a line per variant, count and pattern: each is what
+    tune.py writes of its own contents."""
+    from benchmarks.tune import TABLE_KEYS, read_timings, table_text, timings_text
+
+    for path, table, text in _stored_tables():
+        assert list(table) == list(TABLE_KEYS), path
+        assert path.read_text() == table_text(table), path
+        assert len(path.read_text().splitlines()) <= 300, path
+        assert timings_text(read_timings(text)) == text, table["timings"]
+
+
+def test_the_compacted_table_picks_every_launch_the_old_one_did():
+    """tests/tuning_picks_h200.json holds the picks of tuning/h200.json before it was
+    compacted (fa89dab, 3031 lines with its measured times), for every variant it lists at
+    the token counts named there (each range's last count and the one after it among them),
+    per GPU: the runtime reads the compacted table to the same launches."""
+    fixture = json.loads((ROOT / "tests" / "tuning_picks_h200.json").read_text())
+    variants = {v.uri: v for v in spec().variants}
+    for device, by_uri in fixture["picks"].items():
+        t = table_for(device)
+        assert t is not None and set(t.choices) == set(by_uri), device
+        for uri, picked in by_uri.items():
+            tuned = t.ranges_for(variants[uri])
+            assert [list(pick(tuned, n)) for n in fixture["tokens"]] == picked, (device, uri)
+            assert [list(t.launch(uri, n)) for n in fixture["tokens"]] == picked, (device, uri)
 
 
 def test_the_scripts_build_their_rotating_input_sets():

@@ -42,12 +42,12 @@ constexpr int kThreadsOf = kBlock / kSub;
 // SM needs many threads; the cap spills a few words (FP8 KV at head_dim 128: 12-24 bytes)
 // and more at depth 2 with fp32 cos/sin (132 bytes), where the tuner then keeps depth 1,
 // or FP8 KV at head_dim 64 (204 bytes; untuned, so depth 1). Two blocks (128 registers)
-// were 4-8% slower at 8192+ tokens for depth 1 of the fp32 cos/sin variants (NOTES).
+// were slower for depth 1 of the fp32 cos/sin variants (benchmarks/PERF.md, v6.1).
 // Two lanes per thread: four blocks of 128 threads (128 registers); in a loop of q's math
-// that held its rows in registers, 512 threads of two lanes were 1.5% faster than 768 with
-// 80 registers (TP1, 1024 tokens; NOTES v6.17). HIP reads the bound as waves per SIMD: 2
-// there is the same 512 threads per CU (256 VGPRs); 4 and 3 spilled AMD's row FIFO of four
-// chunks to scratch on gfx942.
+// that held its rows in registers, 512 threads of two lanes beat 768 with 80 registers
+// (PERF.md, v6.17). HIP reads the bound as waves per SIMD: 2 there is the same 512
+// threads per CU (256 VGPRs); 4 and 3 spilled AMD's row FIFO of four chunks to scratch on
+// gfx942.
 #ifdef KVF_CUDA
 constexpr int kMinBlocksTwoLanes = 4;
 #else
@@ -56,7 +56,8 @@ constexpr int kMinBlocksTwoLanes = 2;
 template <int kSub>
 constexpr int kMinBlocksOf = kSub == 1 ? 3 : kMinBlocksTwoLanes;
 // Rows are requested one token ahead at every depth: two ahead (a ring of three stages)
-// was never more than 1% faster at two blocks per SM, and 23-33% slower at three.
+// gained nothing at two blocks per SM and lost at three (PERF.md, v6.8, session 17): bytes
+// in flight are not what limits the loop.
 constexpr int kRowsAhead = 1;
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
@@ -67,7 +68,7 @@ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // shape), by default from KVF_V_LOOP_MIN_TOKENS tokens on. Decodes have scattered slots,
 // where every V value is its own store, best spread over the main loop's many lanes than
 // over the V loop's few; a prefill of a few thousand tokens at one kv head finishes sooner
-// in one loop than in two (each a dependent trip to memory). benchmarks/NOTES.md.
+// in one loop than in two (each a dependent trip to memory). benchmarks/PERF.md.
 
 struct Dims {
   int32_t main_kv_heads;      // K and V heads per token in the main loop: 2 nkv, or nkv when V is the V loop's
@@ -307,7 +308,7 @@ struct Fused {
   // the norm's butterfly adds first, so a thread adds them itself and the head's sum of
   // squares is the same sum, in the same order. Per token, a thread's addresses, position,
   // slot, reciprocal and loop then serve twice the bytes, for half the threads in flight:
-  // which pays depends on the shape (NOTES v6.17). Two only with aligned halves: the other
+  // which pays depends on the shape (PERF.md, v6.17). Two only with aligned halves: the other
   // rotation exchanges partners between lanes.
   static constexpr int kMaxSub = VT::kMaxLanesPerThread;  // codegen/layout.py: max_lanes_per_thread
   static_assert(kMaxSub == 1 || (kMaxSub == 2 && kAlignedHalves && LANES >= 2), "lanes per thread");
@@ -396,8 +397,8 @@ struct Fused {
   // each value is its own store, its dims a vector apart). Written as held, a store
   // instruction's lanes would land a chunk (8 vectors) apart, each in its own line; the
   // group instead stages the head's row in shared memory and its lanes write adjacent
-  // dims, so each instruction fills whole lines (TP1, 128 decode tokens: 6.4 -> 4.5 us,
-  // NOTES). All threads of the group call this (one token, one slot).
+  // dims, so each instruction fills whole lines (PERF.md, v6.4). All threads of the group
+  // call this (one token, one slot).
   template <int kSub>
   static KVF_DEVICE void put_v_by_dim(const kvf_cache_t& c, float inv, int64_t slot, uint32_t h, int lane,
                                       const uint32_t (&d0)[2 * kSub], const uint4 (&x)[2 * kSub],
@@ -504,11 +505,11 @@ struct Fused {
   // A prefill run's V through shared memory. A lane holds the group's vectors of its 8
   // dims; stored as held, one store instruction's lanes land 8 vectors apart, each in its
   // own line. Staged, lane l of a run's groups stores dims s * P * LPH + half * LPH + l:
-  // adjacent vectors, whole lines (bf16 SHUFFLE TP1, 65536 tokens: 757 -> 728 us, NOTES).
-  // Only whole 16-byte vectors: an FP8 group holds half of one (8 of a run's 16 tokens),
-  // so two groups of a warp take one run's halves (kVPair; FP8 TP1 65536: 804 -> 781 us,
-  // but 2% slower at 8192 tokens, where no group has a second run; staged alone, half
-  // vectors were no faster). A bf16/fp16 group is half a vector only at head_dim 32,
+  // adjacent vectors, whole lines (PERF.md, v6.5). Only whole 16-byte vectors: an FP8
+  // group holds half of one (8 of a run's 16 tokens), so two groups of a warp take one
+  // run's halves (kVPair: it pays where groups have several runs, and costs a little where
+  // none has a second, PERF.md v6.6; staged alone, half vectors were no faster). A
+  // bf16/fp16 group is half a vector only at head_dim 32,
   // which no variant lists and no test runs, so pairs are FP8's alone. Not on AMD
   // (kStageV): its 32 KB per block would leave a gfx942 CU (64 KB of LDS) one block.
   static constexpr int kVPair =
@@ -524,9 +525,9 @@ struct Fused {
   // stage, and the count of the block's V-loop runs taken. The stage has bytes of its
   // own where all fits in static shared memory (FP8 KV: 39 KB), so a warp starts on the
   // V loop when its main loop ends; else (bf16/fp16 V: 59 KB) it reuses the main loop's
-  // bytes after a block barrier, and the warps that finish first wait there. (Apart, FP8
-  // TP1 at 65536 tokens: 767 -> 665 us at depth 2, where ptxas also spilled 20 bytes,
-  // not 208; 778 -> 762 at depth 1, NOTES v6.10.) Where there is no stage (AMD, the
+  // bytes after a block barrier, and the warps that finish first wait there. (Apart, FP8's
+  // long calls ran faster at both depths, and ptxas spilled 20 bytes at depth 2, not 208:
+  // PERF.md, v6.10.) Where there is no stage (AMD, the
   // register pipeline, FP8 at head_dim 256) there is no barrier either. 39 KB leaves
   // three blocks per SM on sm_90's 228 KB, two on sm_86/89's 100 KB. A block of 128
   // threads of two lanes has the same bytes (the V-loop stage, sized for 256 threads, half
@@ -562,8 +563,8 @@ struct Fused {
   // requested one token ahead of its math (RowPipe: on NVIDIA into a ring in shared
   // memory, by copies that hold no registers in flight); positions and slots come into
   // registers kDepth tokens ahead, and the cos/sin rows, which wait on the position,
-  // kDepth - 1 ahead. Depth 2 takes that second round trip off each token's path (4-6% at
-  // 8192+ tokens, NOTES v6.8) for registers (spills with fp32 cos/sin, or FP8 KV at 4 kv
+  // kDepth - 1 ahead. Depth 2 takes that second round trip off each token's path (PERF.md,
+  // v6.8) for registers (spills with fp32 cos/sin, or FP8 KV at 4 kv
   // heads) and a longer start: the best depth depends on the shape.
   template <int kDepth, int kSub>
   static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block, Smem& smem) {
@@ -582,11 +583,10 @@ struct Fused {
     // Threads take tokens in tiles of dims.tile (1, 2 or 4 times the lanes per thread): a
     // head's groups of a tile's tokens sit side by side, so one store instruction writes
     // the head's vectors of them all: whole sectors where a layout puts consecutive slots'
-    // vectors next to each other (SHUFFLE's K, 16 bytes each), nearby lines elsewhere (2:
-    // 2-20% faster at 65536 tokens). At 4 (8 at two lanes) and head_dim 128 a warp is one
-    // head of the tile's tokens, so no warp runs two roles one after the other (K's path,
-    // then V's: FP8 TP8, 16 decode tokens 2.04 -> 1.75 us, NOTES v6.13); short calls at
-    // TP1 are faster with smaller tiles (tuned).
+    // vectors next to each other (SHUFFLE's K, 16 bytes each), nearby lines elsewhere
+    // (PERF.md, v6.3). At 4 (8 at two lanes) and head_dim 128 a warp is one head of the
+    // tile's tokens, so no warp runs two roles one after the other (K's path, then V's;
+    // PERF.md, v6.13-v6.14); short calls at TP1 are faster with smaller tiles (tuned).
     const int64_t tile_lanes = int64_t(dims.tile) * dims.lanes_per_token;
     const int in_tile = static_cast<int>(gid % tile_lanes);
     const int within = in_tile / (dims.tile * LN) * LN + in_tile % LN;  // thread lane of the token's row
@@ -635,7 +635,7 @@ struct Fused {
     // chunks, position and slot, the cos/sin row at the position as read now (the
     // previous kernel may still change it: then this only wastes a prefetch), and the
     // norm weights (one block asks for those shared lines). Rows in DRAM come sooner
-    // after the wait (TP8, 1024 tokens: 4.6 -> 4.1 us, NOTES); nothing read here is used.
+    // after the wait (PERF.md, v6.4); nothing read here is used.
     if (!idle && first < a.num_tokens) {
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) prefetch_l2(row0 + first * a.qkv_row_stride * 2 + at[c]);
@@ -688,8 +688,8 @@ struct Fused {
 #endif
       // The scale's reciprocal (loop-invariant: hoisted where there is a loop) after this
       // token's loads in source order. Ahead of them it held the cos/sin load back until
-      // the scale came; where it is used, in process, it was slower than here (FP8 TP8,
-      // 1 token: 2.09 us ahead, 2.01 at its use, 1.95 here; NOTES v6.13).
+      // the scale came; where it is used, in process, it was slower than here (PERF.md,
+      // v6.13).
       const float kv_inv = 1.0f / kv_scale;
       uint4 x[kChunks];
       pipe.front(x);
@@ -701,15 +701,13 @@ struct Fused {
     if (kClaimRuns && threadIdx.x == 0) smem.v_taken = 0;
     // A call of one pass (a thread has one token at most; launch_at_depth runs these at
     // depth 1, the one kernel with this branch): a lane reads its norm weight from global
-    // memory, so no barrier waits for the threads that load the block's copy (m3 TP8, 16
-    // decode tokens: 1.87 -> 1.60 us, NOTES v6.12). GlobalFactors issues those loads when
-    // made, before the rows' wait in source order: after it, a compiler barrier, they went
-    // out once the rows had landed (with the reciprocal's move below, FP8 TP8, 128 decode
-    // tokens: 2.85 -> 2.67 us, NOTES v6.13). Longer calls keep the shared copy: reading
-    // the weights every token was up to 15% slower at 8192+ tokens. (In the depth-2 kernel
-    // too, FP8 spilled more there and was 5% slower at 8192+ tokens; in a kernel of its
-    // own, with fewer registers, more blocks fit an SM and a one-wave grid spread
-    // unevenly: m3 TP8, 1024 tokens, 3.4 -> 4.2 us.)
+    // memory, so no barrier waits for the threads that load the block's copy (PERF.md,
+    // v6.12). GlobalFactors issues those loads when made, before the rows' wait in source
+    // order: after it, a compiler barrier, they went out once the rows had landed (v6.13).
+    // Longer calls keep the shared copy: reading the weights every token costs each token
+    // two loads and their conversions, and lost in long calls. (In the depth-2 kernel too,
+    // FP8 spilled more there and lost in long calls; in a kernel of its own, with fewer
+    // registers, more blocks fit an SM and a one-wave grid spread unevenly.)
     if constexpr (kDepth == 1) {
       if (tpp >= a.num_tokens) {
         if (kClaimRuns && dims.v_groups) __syncthreads();  // v_taken, before any claim
@@ -723,7 +721,7 @@ struct Fused {
     // The norms' per-dim factors of q, k, index_q and index_k, shared by the block (in
     // registers they would cost residency), each thread of 4 * D / 8 loading one 16-byte
     // vector (a loop of 2-byte values, each stored before the next load went out, took two
-    // trips at head_dim 128: NOTES v6.11). A loop still, though it runs once at every
+    // trips at head_dim 128: PERF.md, v6.11). A loop still, though it runs once at every
     // head_dim: written as a branch, ptxas spilled more (FP8 SHUFFLE at depth 2: 20 -> 64
     // bytes).
     for (int i = threadIdx.x; i < 4 * LPH; i += blockDim.x) {
@@ -734,8 +732,7 @@ struct Fused {
       for (int j = 0; j < kVec; ++j) norm_factors[i / LPH][i % LPH * kVec + j] = factor_of(f[j]);
     }
     // Depth 2's first cos/sin go out before the barrier, so that their trip overlaps its
-    // wait (FP8 TP1, 1024 tokens: 14.2 -> 14.0 us in v6.11's sweep, 14.3 -> 14.4 in
-    // v6.12's: within the noise of either).
+    // wait (measured within the noise either way: PERF.md, v6.12).
     if (!idle) {
 #pragma unroll
       for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
@@ -835,7 +832,7 @@ struct Fused {
       // The model-dtype rounding (q_out, K, index_k); FP8 quantizes it where the unfused
       // path does (kRoundBeforeQuant). Unpacked only in those branches: shared, it made
       // the compiler round every lane's values one by one (F2F, a slow pipe) instead of
-      // in pairs (FP8 SHUFFLE, NOTES v6.9).
+      // in pairs (FP8 SHUFFLE; PERF.md, v6.9).
       uint32_t bits[4];
       pack_model<M>(y[i], bits);
       auto quant_src = [&](float (&r)[kVec]) {
@@ -880,7 +877,7 @@ struct Fused {
   // aligned run (a prefill), each dim's values leave as one store of kVGroup elements;
   // otherwise (decode, a partial last group) value by value. Groups are at most 8
   // tokens, half a vector for FP8 (16 tokens per vector): a lane then waits for memory
-  // once, and twice as many lanes share the loop (FP8 TP8, 1024 tokens: 10.6 -> 7.0 us).
+  // once, and twice as many lanes share the loop (PERF.md, v6.2).
   // A run's vectors go through shared memory where kStageVLoop.
   static KVF_DEVICE void v_loop(const kvf_args_t& a, const Dims& dims, int block, int nblocks, Smem& smem) {
     using C = typename VT::V;
@@ -893,7 +890,7 @@ struct Fused {
     // GPU. In a block, where no barrier lines its warps up before this loop (kStageApart),
     // to its groups as they come free: FP8's K and index warps finish the main loop last,
     // and the others take more runs. After the barrier, in a fixed order: a claim is a
-    // shared-memory round trip per run (bf16 TP8, 1024 tokens: 5.7 -> 6.1 us, NOTES).
+    // shared-memory round trip per run, which lost there (PERF.md, v6.10).
     // (Claims are unmeasured where there is no stage: AMD and FP8 at head_dim 256.)
     const int64_t runs = (dims.v_groups + P - 1) / P * NKV;
     const int per_block = blockDim.x / LPH / P;
@@ -1014,7 +1011,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSub>, kMinBlocksOf<kSub>)
   // Every thread then takes its share of the V loop, so that work (a few percent of
   // the bytes, but more instructions and round trips per byte) has the whole GPU and
   // starts wherever the main loop finishes first. (Blocks of its own, sized by bytes,
-  // finished last: benchmarks/NOTES.md.) Calls whose V the main loop writes (decodes, as
+  // finished last: benchmarks/PERF.md, v6.) Calls whose V the main loop writes (decodes, as
   // tuned) skip it and its claims.
   if constexpr (F::kVTransposed) {
     if (dims.v_groups) {
@@ -1045,8 +1042,8 @@ int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
   dims.v_groups = v_loop ? (dims.v_tokens + F::kVGroup - 1) / F::kVGroup : 0;
   // A tile of tokens_per_tile * lanes tokens: a head's threads of it are as many at either
   // lane count (at 4 and head_dim 128, a warp is one head). At two lanes, tiles of t put
-  // two heads in a warp, so K's and V's paths ran one after the other again: FP8 TP4, 8192
-  // tokens, 23.9 us at one lane, 31.2 at two; 24.8 with tiles of 2t (NOTES v6.17).
+  // two heads in a warp, so K's and V's paths ran one after the other again (PERF.md,
+  // v6.17).
   dims.tile = (a->tokens_per_tile ? a->tokens_per_tile : KVF_DEFAULT_TOKENS_PER_TILE) * lanes;
   dims.lanes_per_token = heads * (F::LANES / lanes);
   int dev = 0;
@@ -1076,12 +1073,12 @@ int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
       return go(kThreads, resident ? resident : 1, fused_kernel<VT, 1, 2>, fused_kernel<VT, kDepth, 2>);
     }
   }
-  // Smaller blocks reach more SMs where a call has few lanes (TP1, 16 decode tokens, 39
-  // blocks of 256: SHUFFLE bf16 2.07 -> 1.86 us): kBlock / 2 where that grid has at most
-  // one block per SM (past that it lost: TP4, 128 tokens, 80 blocks of 256 or 160 of 128:
-  // m3 1.76 -> 2.0 us), then kBlock / 4 where the kBlock / 2 grid leaves SMs idle and the
-  // smaller blocks all stay resident (each keeps the shared memory sized for kBlock). NOTES
-  // v6.15, v6.16. Such a call is one pass, so it runs the depth-1 kernel.
+  // Smaller blocks reach more SMs where a call has few lanes (TP1, 16 decode tokens: 39
+  // blocks of 256): kBlock / 2 where that grid has at most one block per SM (past that it
+  // lost: TP4, 128 tokens, 80 blocks of 256 or 160 of 128), then kBlock / 4 where the
+  // kBlock / 2 grid leaves SMs idle and the smaller blocks all stay resident (each keeps
+  // the shared memory sized for kBlock). PERF.md, v6.15, v6.16. Such a call is one pass,
+  // so it runs the depth-1 kernel.
   int threads = kBlock;
   if (blocks_of(kBlock / 2) <= sms) {
     threads = kBlock / 2;

@@ -229,7 +229,7 @@ KVF_DEVICE void async_wait() {
 // ---- a block barrier met at different instructions (NVIDIA sm_70+) -------------------
 // __syncthreads() is PTX's bar.sync, an *aligned* barrier: every thread of the block must
 // meet it at one instruction, or the behaviour is undefined (a warp split between two of
-// them hung the H200: benchmarks/NOTES.md, session 25). barrier.sync without .aligned
+// them hung the H200: benchmarks/PERF.md, session 25). barrier.sync without .aligned
 // counts threads wherever they meet it, with the same memory ordering. KVF_SPLIT_BARRIER
 // is 1 where it exists, and split_barrier() is defined only there; AMD's s_barrier counts
 // waves, so kernels there keep one barrier every thread meets at one place.
@@ -390,7 +390,7 @@ KVF_HOST_DEVICE float fp8_clamp(float v) {
 // NVIDIA's converter saturates by itself (.satfinite: past the max and +-inf become
 // +-max, NaN gives 0x7f), and an e4m3fn +-max code (S.1111.110) becomes that sign's NaN
 // (S.1111.111) by setting its lowest bit: one test and one OR per value, where the
-// byte-wise patch extracts, tests and reassembles each byte (NOTES v6.9). AMD's
+// byte-wise patch extracts, tests and reassembles each byte (PERF.md, v6.9). AMD's
 // converters see input clamped by fminf/fmaxf (one v_med3) and are patched byte-wise.
 // Host code (the tests' harness) takes the software routine.
 template <Fp8 F, bool Saturate>
