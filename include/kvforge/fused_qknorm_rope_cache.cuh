@@ -811,14 +811,29 @@ struct Fused {
       }
       rope(m.cs[s], a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, Sub<kSub>::rotary(s, lane), n, y);
       if (m.pos < 0) {  // no cos/sin row (SPEC §1): zeros to q_out and index_q_out, no cache write
-        if (kind == kK || kind == kIK) return;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) y[i][j] = 0.f;
-        }
+        if (kind == kQ || kind == kIQ) store_zero_rows<kSub>(a, kind, head, t, d0);
+        return;
       }
       store_normed<kSub>(a, kind, head, slot, kv_inv, t, d0, s, y);
+    }
+  }
+
+  // Zeros in every chunk of the thread's q_out or index_q_out row: a token without a cos/sin
+  // row. Stored as zero words, not as zeroed values through store_normed: those stayed live
+  // beside the rotated ones and made FP8 variants spill.
+  template <int kSub>
+  static KVF_DEVICE void store_zero_rows(const kvf_args_t& a, int kind, int head, int64_t t,
+                                         const uint32_t (&d0)[2 * kSub]) {
+    const uint32_t zero[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int c = 0; c < 2 * kSub; ++c) {
+      if (kind == kQ) {
+        store_bytes<16>(static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + d0[c]) * 2, zero, 0);
+      } else {
+        const int64_t e = (t * a.num_index_heads + head) * D + d0[c];
+        if constexpr (VT::kIndexFp8) store_bytes<8>(static_cast<char*>(a.index_q_out) + e, zero, 0);
+        else store_bytes<16>(static_cast<char*>(a.index_q_out) + e * 2, zero, 0);
+      }
     }
   }
 
