@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
+import sys
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -187,10 +189,10 @@ def _run(argv: tuple, checked: bool, force_reference: bool) -> None:
     variant, t = check(**dict(zip(_ARG_NAMES, argv)))
     if checked:
         check_ranges(variant, t)
+    if t.qkv.shape[0] == 0:  # no token: a legal call that computes and writes nothing
+        return
     if force_reference or t.qkv.device.type == "cpu":
         reference.run(variant, t)
-        return
-    if t.qkv.shape[0] == 0:
         return
     plan, a, device_index = _prepared(variant, t)
     _launch(plan.lib.launch, a, device_index)
@@ -204,9 +206,53 @@ _op = torch.library.custom_op(
 )(_impl)
 
 
+_INDUCTOR_LOWERS_STORAGE_OFFSETS = False
+
+
+def _lower_storage_offsets() -> None:
+    """Inductor has no lowering for aten.sym_storage_offset (pytorch/pytorch#198068, open;
+    the fix is #198069): its fallback reads the offset of a tensor rebuilt without one, 0.
+    When a mutated argument is a view at a symbolic offset (K and V as views of one
+    [pages, 2, ...] buffer under dynamic shapes), auto-functionalization regenerates it as
+    as_strided(base, ..., sym_storage_offset(view)) and the kernel writes V over K. This
+    registers the lowering that fix adds (the offset read from the node's metadata), once,
+    where Inductor is loaded and lacks one. Trace time only: the fake implementation calls it."""
+    global _INDUCTOR_LOWERS_STORAGE_OFFSETS
+    lowering = sys.modules.get("torch._inductor.lowering")
+    if lowering is None:  # not compiling with Inductor (yet): AOT tracing runs this again
+        return
+    _INDUCTOR_LOWERS_STORAGE_OFFSETS = True
+    try:
+        if torch.ops.aten.sym_storage_offset.default in lowering.lowerings:
+            return
+
+        @lowering.register_lowering(torch.ops.aten.sym_storage_offset)
+        def _sym_storage_offset(a):
+            val = lowering.V.graph.current_node.meta["val"]
+            return val.node.expr if isinstance(val, torch.SymInt) else int(val)
+    except Exception as e:  # noqa: BLE001 - another torch's internals: warn, never break tracing
+        warnings.warn(f"kvforge: could not register Inductor's lowering of aten.sym_storage_offset "
+                      f"({type(e).__name__}: {e}); a cache passed as a view at a symbolic offset may be "
+                      f"written at the wrong place under dynamic shapes", RuntimeWarning, stacklevel=2)
+
+
 @_op.register_fake
 def _fake(*args, **kwargs) -> None:
+    # Nothing to compute: the op returns nothing and writes only the tensors its schema
+    # marks mutable (Tensor(a!)), which auto-functionalization accounts for.
+    if not _INDUCTOR_LOWERS_STORAGE_OFFSETS:
+        _lower_storage_offsets()
     return None
+
+
+def _reject(argv: tuple) -> None:
+    """Where the outputs could not be allocated from the arguments, raise validation's error
+    for the argument at fault (nothing was written). Returns if the inputs are valid (the
+    allocation itself failed, e.g. out of memory: the caller re-raises that)."""
+    try:
+        check(**dict(zip(_ARG_NAMES, argv)), outputs=False)
+    except (ValueError, TypeError) as e:
+        raise e from None
 
 
 def fused_qknorm_rope_cache(
@@ -245,16 +291,27 @@ def fused_qknorm_rope_cache(
     Outputs not passed in are allocated (index_q_out in the index cache's dtype).
     `checked=True` also validates every slot and position on the host (a sync).
     """
-    if isinstance(q_norm_weight, Tensor) and isinstance(qkv, Tensor) and q_out is None:
-        q_out = qkv.new_empty((qkv.shape[0], num_heads, q_norm_weight.numel()))
-    if (index_mode == "full" and index_q_out is None and isinstance(index_cache, Tensor)
-            and isinstance(qkv, Tensor) and isinstance(q_norm_weight, Tensor)):
-        index_q_out = torch.empty((qkv.shape[0], num_index_heads, q_norm_weight.numel()),
-                                  dtype=index_cache.dtype, device=qkv.device)
+    # No validation on this path (a call validated before launches from the signature table):
+    # the outputs are allocated from the arguments as given, and where that fails, validation
+    # says which argument is at fault. Either way no tensor of the caller's is written.
+    try:
+        if q_out is None:
+            q_out = qkv.new_empty((qkv.shape[0], num_heads, q_norm_weight.numel()))
+        if index_q_out is None and index_mode == "full" and index_cache is not None:
+            index_q_out = torch.empty((qkv.shape[0], num_index_heads, q_norm_weight.numel()),
+                                      dtype=index_cache.dtype, device=qkv.device)
+    except Exception:  # noqa: BLE001 - whatever the malformed argument raised
+        _reject((qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
+                 k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
+                 k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads,
+                 rotary_dim, eps, contract, index_mode, norm))
+        raise
+    if type(eps) is not float and isinstance(eps, (int, float)) and not isinstance(eps, bool):
+        eps = float(eps)  # the op's schema takes a float (validation rejects other types)
     args = (qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
             k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
             k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
-            float(eps), contract, index_mode, norm, checked)
+            eps, contract, index_mode, norm, checked)
     if _reference:
         _run(args[:-1], checked, True)
     elif torch.compiler.is_compiling():

@@ -1,17 +1,27 @@
 """SPEC §7: check every argument before any launch and derive the signature.
 
-Each problem raises ValueError or TypeError naming the argument, what was expected
-and what was given. Nothing here writes to any tensor. The result is the Variant to
+Each problem raises ValueError (a wrong value, shape, stride, device) or TypeError (a
+wrong type or dtype) whose message reads `ARG: expected WHAT, got GIVEN`, or
+`ARG: unsupported signature: AXIS: ...` naming what the axis allows (ARG: the argument
+the axis is read from). Nothing here writes to any tensor. The result is the Variant to
 dispatch to and the tensors the kernel (or the reference) consumes.
+
+What is legal: 0 tokens (qkv [0, row]: the call computes and writes nothing); a
+slot_mapping shorter than qkv, empty included (tokens past it write no cache); a 0-D
+scale (per tensor). What is not: an empty cache, norm weight, cos_sin_cache or scale,
+non-positive head counts, and any argument that means nothing for the call (a scale for
+a model-dtype cache, index tensors in 'skip' or 'none' mode, index heads in 'none' mode,
+kv_cache for a two-tensor contract, k_cache/v_cache for a one-tensor one).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from kvforge.codegen.layout import VEC, access
-from kvforge.codegen.model import IndexMode, IndexSlots, PointError, Variant, make_variant
+from kvforge.codegen.model import IndexMode, IndexSlots, Norm, PointError, Variant, make_variant
 
 from .reference import FP8_DTYPES, Tensors
 from .registry import spec
@@ -26,18 +36,66 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _given(x) -> str:
+    """What a message says was passed: a tensor's dtype and shape, else the value and its type."""
+    if x is None:
+        return "None"
+    if isinstance(x, torch.Tensor):
+        return f"a {_dt(x.dtype)} tensor of shape {_shape(x)}"
+    text = repr(x)
+    return f"{text if len(text) <= 60 else text[:57] + '...'} ({type(x).__name__})"
+
+
 def _tensor(name: str, t, *, device: Optional[torch.device] = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {_given(t)}")
+    if t.layout is not torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (where qkv is), got {t.device}")
     return t
 
 
+def _present(name: str, t, why: str, device: torch.device) -> torch.Tensor:
+    """An optional argument this call needs."""
+    if t is None:
+        raise ValueError(f"{name}: expected a tensor ({why}), got None")
+    return _tensor(name, t, device=device)
+
+
+def _absent(name: str, t, why: str) -> None:
+    """SPEC §7: an argument that means nothing for the call is an error, not ignored."""
+    if t is not None:
+        raise ValueError(f"{name}: expected None ({why}), got {_given(t)}")
+
+
+def _int(name: str, val, least: int, what: str) -> int:
+    if isinstance(val, bool) or not isinstance(val, int):
+        raise TypeError(f"{name}: expected {what}, got {_given(val)}")
+    if val < least:
+        raise ValueError(f"{name}: expected {what}, got {val}")
+    return val
+
+
+def _choice(name: str, val, enum):
+    """A str axis value (index_mode, norm) parsed into its enum."""
+    if not isinstance(val, str):
+        choices = ", ".join(repr(m.value) for m in enum)
+        raise TypeError(f"{name}: expected one of {choices} (a str), got {_given(val)}")
+    try:
+        return enum.parse(val)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
 def _dtype(name: str, t: torch.Tensor, allowed) -> None:
     if t.dtype not in allowed:
-        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise TypeError(f"{name}: expected dtype {names}, got {str(t.dtype).removeprefix('torch.')}")
+        names = ", ".join(_dt(d) for d in allowed)
+        raise TypeError(f"{name}: expected dtype {names}, got {_dt(t.dtype)}")
 
 
 def _rank(name: str, t: torch.Tensor, rank: int, what: str) -> None:
@@ -66,12 +124,19 @@ def _slots(name: str, t, device, num_tokens: int) -> torch.Tensor:
     return t
 
 
-def _weight(name: str, t, device, dtype, head_dim: int) -> torch.Tensor:
+def _head_dim(name: str, t, device, dtype) -> int:
+    """A norm weight's size: its head_dim (1-D, at least one element, the dtype of qkv)."""
     _tensor(name, t, device=device)
     if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {str(dtype).removeprefix('torch.')} (the dtype of qkv), "
-                        f"got {str(t.dtype).removeprefix('torch.')}")
-    if t.dim() != 1 or t.numel() != head_dim:
+        raise TypeError(f"{name}: expected dtype {_dt(dtype)} (the dtype of qkv), got {_dt(t.dtype)}")
+    if t.dim() != 1 or t.numel() == 0:
+        raise ValueError(f"{name}: expected a 1-D tensor [head_dim] of at least one element, "
+                         f"got shape {_shape(t)}")
+    return t.numel()
+
+
+def _weight(name: str, t, device, dtype, head_dim: int) -> torch.Tensor:
+    if _head_dim(name, t, device, dtype) != head_dim:
         raise ValueError(f"{name}: expected shape ({head_dim},) (head_dim, the size of q_norm_weight), "
                          f"got {_shape(t)}")
     _contiguous(name, t)
@@ -80,12 +145,17 @@ def _weight(name: str, t, device, dtype, head_dim: int) -> torch.Tensor:
 
 
 def _fp8_flavour(names_tensors) -> Optional[str]:
-    """The FP8 flavour the FP8 tensors agree on (None if none is FP8)."""
-    seen = {n: FP8_NAMES[t.dtype] for n, t in names_tensors if t is not None and t.dtype in FP8_NAMES}
-    if len(set(seen.values())) > 1:
-        detail = ", ".join(f"{n} is {f}" for n, f in seen.items())
-        raise TypeError(f"FP8 tensors must share one flavour: {detail}")
-    return next(iter(seen.values()), None)
+    """The FP8 flavour the FP8 tensors agree on (None if none is FP8); the first one sets it."""
+    first = None
+    for name, t in names_tensors:
+        if t is None or t.dtype not in FP8_NAMES:
+            continue
+        if first is None:
+            first = (name, t.dtype)
+        elif t.dtype != first[1]:
+            raise TypeError(f"{name}: expected dtype {_dt(first[1])} (the FP8 flavour of {first[0]}), "
+                            f"got {_dt(t.dtype)}")
+    return FP8_NAMES[first[1]] if first else None
 
 
 def _scale_kind(name: str, t, device, nkv: int) -> str:
@@ -93,80 +163,116 @@ def _scale_kind(name: str, t, device, nkv: int) -> str:
         return "unit"
     _tensor(name, t, device=device)
     _dtype(name, t, (torch.float32,))
-    _contiguous(name, t)
-    if t.numel() == 1:
+    if t.numel() == 1 and t.dim() <= 1:
         return "per_tensor"
     if t.dim() == 1 and t.numel() == nkv:
+        _contiguous(name, t)
         return "per_head"
-    raise ValueError(f"{name}: expected shape (1,) (per tensor) or ({nkv},) (per kv head), got {_shape(t)}")
+    raise ValueError(f"{name}: expected shape (1,) or () (per tensor) or ({nkv},) (per kv head), "
+                     f"got {_shape(t)}")
 
 
 def _cache(v: Variant, role: str, name: str, t: torch.Tensor) -> None:
     acc = access(v, role)
     shape = t.shape
+    pages = getattr(v.contract, role).runtime_name
     if len(shape) != len(acc.extents) or any(e is not None and s != e for s, e in zip(shape, acc.extents)):
-        expected = [getattr(v.contract, role).runtime_name if e is None else str(e) for e in acc.extents]
+        expected = [pages if e is None else str(e) for e in acc.extents]
         raise ValueError(f"{name}: expected shape [{', '.join(expected)}] for contract "
                          f"{v.contract.name} with this signature, got {_shape(t)}")
     if shape[acc.runtime_dim] < 1:
-        raise ValueError(f"{name}: the cache holds no page "
-                         f"({getattr(v.contract, role).runtime_name} = 0)")
+        raise ValueError(f"{name}: expected a cache of at least one page ({pages} >= 1), "
+                         f"got shape {_shape(t)}")
     for i, (size, stride, want) in enumerate(zip(t.shape, t.stride(), acc.contiguous_strides)):
         if want is None:
             if (stride * t.element_size()) % 16:
-                raise ValueError(f"{name}: the stride of dimension {i} must be a multiple of 16 bytes, "
-                                 f"got {stride} elements")
+                raise ValueError(f"{name}: expected the stride of dimension {i} to be a multiple of 16 "
+                                 f"bytes, got strides {tuple(t.stride())}")
         elif size > 1 and stride != want:
-            raise ValueError(f"{name}: dimension {i} must be contiguous (stride {want}) for contract "
-                             f"{v.contract.name}; got strides {tuple(t.stride())}")
+            raise ValueError(f"{name}: expected stride {want} in dimension {i} (contiguous, as contract "
+                             f"{v.contract.name} lays it out), got strides {tuple(t.stride())}")
     _aligned(name, t)
+
+
+# The argument an axis of the signature is read from (an unsupported signature names it).
+_AXIS_ARGUMENT = {"contract": "contract", "dtype": "qkv", "head_dim": "q_norm_weight",
+                  "rotary_dim": "rotary_dim", "num_kv_heads": "num_kv_heads", "cos_sin": "cos_sin_cache",
+                  "norm": "norm", "index_mode": "index_mode", "index_dtype": "index_cache",
+                  "kv_scale": "k_scale"}
+_INDEX_ARGS = ("index_q_norm_weight", "index_k_norm_weight", "index_cache", "index_slot_mapping",
+               "index_q_out")
+_NO_INDEX = {IndexMode.SKIP: "index_mode 'skip' reads and writes nothing index-related",
+             IndexMode.NONE: "index_mode 'none' has no index branch"}
 
 
 def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_cache, slot_mapping,
           k_cache, v_cache, kv_cache, q_norm_weight, k_norm_weight, index_q_norm_weight,
           index_k_norm_weight, index_cache, index_slot_mapping, num_heads: int, num_kv_heads: int,
           num_index_heads: int, rotary_dim: int, eps: float, k_scale, v_scale, q_out, index_q_out,
-          ) -> tuple[Variant, Tensors]:
+          outputs: bool = True) -> tuple[Variant, Tensors]:
+    """Every argument checked (with `outputs=False` all but q_out and index_q_out: where the
+    public function could not allocate them, which argument is to blame)."""
     contracts = spec().contracts
+    names = ", ".join(sorted(contracts))
+    if not isinstance(contract, str):
+        raise TypeError(f"contract: expected one of {names} (a str), got {_given(contract)}")
     if contract not in contracts:
-        raise ValueError(f"contract: expected one of {', '.join(sorted(contracts))}, got {contract!r}")
+        raise ValueError(f"contract: expected one of {names}, got {contract!r}")
     c = contracts[contract]
-    try:
-        mode = IndexMode.parse(index_mode)
-    except ValueError as e:
-        raise ValueError(f"index_mode: {e}") from None
+    mode = _choice("index_mode", index_mode, IndexMode)
+    _choice("norm", norm, Norm)
+
+    # Scalars first: the shapes below are read through them.
+    _int("num_heads", num_heads, 1, "a positive integer")
+    _int("num_kv_heads", num_kv_heads, 1, "a positive integer")
+    if mode is IndexMode.FULL:
+        _int("num_index_heads", num_index_heads, 1, "a positive integer (index_mode 'full' has index heads)")
+    elif mode is IndexMode.SKIP:
+        _int("num_index_heads", num_index_heads, 0, "a non-negative integer")
+    else:
+        none = "0 (index_mode 'none': rows hold no index heads)"
+        if _int("num_index_heads", num_index_heads, 0, none) != 0:
+            raise ValueError(f"num_index_heads: expected {none}, got {num_index_heads}")
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise TypeError(f"rotary_dim: expected an even number in [2, head_dim], got {_given(rotary_dim)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps: expected a positive float, got {_given(eps)}")
+    if not 0 < eps < math.inf:
+        raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
 
     _tensor("qkv", qkv)
     device = qkv.device
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"qkv: expected a tensor on a GPU (cuda) or on the cpu, got {device}")
     _dtype("qkv", qkv, tuple(MODEL_DTYPES))
     _rank("qkv", qkv, 2, "[num_tokens, row]")
-    if qkv.stride(1) != 1 or qkv.stride(0) % VEC:
+    if qkv.numel() and (qkv.stride(1) != 1 or qkv.stride(0) % VEC):  # (an empty one: its row says more)
         raise ValueError(f"qkv: expected rows of contiguous elements whose row stride is a multiple of "
                          f"{VEC}, got strides {tuple(qkv.stride())}")
     _aligned("qkv", qkv)
-    T = qkv.shape[0]
-    for name, val in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name}: expected a positive integer, got {val!r}")
-    if isinstance(num_index_heads, bool) or not isinstance(num_index_heads, int) or num_index_heads < 0:
-        raise ValueError(f"num_index_heads: expected a non-negative integer, got {num_index_heads!r}")
-    _tensor("q_norm_weight", q_norm_weight, device=device)
-    D = q_norm_weight.numel()
-    _weight("q_norm_weight", q_norm_weight, device, qkv.dtype, D)
-    _weight("k_norm_weight", k_norm_weight, device, qkv.dtype, D)
+    T = qkv.shape[0]  # 0 is a legal call that computes and writes nothing
+
+    # head_dim: the size of the q and k norm weights, whose heads fill the qkv row.
+    D = _head_dim("q_norm_weight", q_norm_weight, device, qkv.dtype)
+    Dk = _head_dim("k_norm_weight", k_norm_weight, device, qkv.dtype)
     row_heads = num_heads + 2 * num_kv_heads + (num_index_heads + 1 if mode is not IndexMode.NONE else 0)
+    if Dk != D:
+        if qkv.shape[1] == row_heads * Dk != row_heads * D:
+            raise ValueError(f"q_norm_weight: expected shape ({Dk},) (head_dim, the size of k_norm_weight, "
+                             f"whose heads fill the qkv row), got {_shape(q_norm_weight)}")
+        raise ValueError(f"k_norm_weight: expected shape ({D},) (head_dim, the size of q_norm_weight), "
+                         f"got {_shape(k_norm_weight)}")
     if qkv.shape[1] != row_heads * D:
         parts = f"num_heads={num_heads} + 2*num_kv_heads={num_kv_heads}"
         if mode is not IndexMode.NONE:
             parts += f" + num_index_heads={num_index_heads} + 1 index_k head"
-        raise ValueError(f"qkv: a row of {qkv.shape[1]} elements does not hold {parts} heads of "
-                         f"head_dim {D} (= {row_heads * D}, index_mode {mode.value})")
-    if mode is IndexMode.FULL and num_index_heads < 1:
-        raise ValueError("num_index_heads: index_mode 'full' needs at least one index head, got 0")
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2 or rotary_dim > D:
-        raise ValueError(f"rotary_dim: expected an even number in [2, head_dim={D}], got {rotary_dim!r}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-        raise ValueError(f"eps: expected a positive float, got {eps!r}")
+        raise ValueError(f"qkv: expected rows of {row_heads * D} elements ({parts} = {row_heads} heads of "
+                         f"head_dim {D}, index_mode {mode.value}), got rows of {qkv.shape[1]}")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        _contiguous(name, w)
+        _aligned(name, w)
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > D:
+        raise ValueError(f"rotary_dim: expected an even number in [2, head_dim={D}], got {rotary_dim}")
 
     _tensor("positions", positions, device=device)
     _dtype("positions", positions, (torch.int64,))
@@ -183,58 +289,62 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
                          f"{_shape(cos_sin_cache)}")
     _contiguous("cos_sin_cache", cos_sin_cache)
     _aligned("cos_sin_cache", cos_sin_cache)
-    _slots("slot_mapping", slot_mapping, device, T)
+    _slots("slot_mapping", slot_mapping, device, T)  # shorter: tokens past it write no cache
 
     # K/V caches: one combined tensor or two, as the contract says.
     if c.combined_kv:
-        if kv_cache is None or k_cache is not None or v_cache is not None:
-            raise ValueError(f"kv_cache: contract {contract} stores K and V in one tensor; pass kv_cache= "
-                             "and not k_cache/v_cache")
-        k_cache = v_cache = _tensor("kv_cache", kv_cache, device=device)
+        why = f"contract {contract} stores K and V in one tensor"
+        _absent("k_cache", k_cache, f"{why}, kv_cache")
+        _absent("v_cache", v_cache, f"{why}, kv_cache")
+        k_cache = v_cache = _present("kv_cache", kv_cache, why, device)
         k_name = v_name = "kv_cache"
     else:
-        if kv_cache is not None or k_cache is None or v_cache is None:
-            raise ValueError(f"k_cache: contract {contract} keeps K and V in two tensors; pass k_cache= "
-                             "and v_cache= (not kv_cache)")
-        _tensor("k_cache", k_cache, device=device)
-        _tensor("v_cache", v_cache, device=device)
+        why = f"contract {contract} keeps K and V in two tensors"
+        _absent("kv_cache", kv_cache, f"{why}, k_cache and v_cache")
+        _present("k_cache", k_cache, why, device)
+        _present("v_cache", v_cache, why, device)
         k_name, v_name = "k_cache", "v_cache"
-    if k_cache.dtype != v_cache.dtype:
-        raise TypeError(f"v_cache: expected the dtype of k_cache ({k_cache.dtype}), got {v_cache.dtype}")
     _dtype(k_name, k_cache, (qkv.dtype, *FP8_NAMES))
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: expected dtype {_dt(k_cache.dtype)} (the dtype of k_cache), "
+                        f"got {_dt(v_cache.dtype)}")
 
     full = mode is IndexMode.FULL
     if full:
-        for name, val in (("index_q_norm_weight", index_q_norm_weight),
-                          ("index_k_norm_weight", index_k_norm_weight), ("index_cache", index_cache)):
-            if val is None:
-                raise ValueError(f"{name}: required with index_mode 'full', got None")
+        why = "required with index_mode 'full'"
+        _present("index_q_norm_weight", index_q_norm_weight, why, device)
+        _present("index_k_norm_weight", index_k_norm_weight, why, device)
+        _present("index_cache", index_cache, why, device)
         _weight("index_q_norm_weight", index_q_norm_weight, device, qkv.dtype, D)
         _weight("index_k_norm_weight", index_k_norm_weight, device, qkv.dtype, D)
-        _tensor("index_cache", index_cache, device=device)
         _dtype("index_cache", index_cache, (qkv.dtype, *FP8_NAMES))
         if index_slot_mapping is None:
             if c.index_slots is IndexSlots.OWN:
-                raise ValueError(f"index_slot_mapping: contract {contract} requires its own index slots, got None")
+                raise ValueError(f"index_slot_mapping: expected a tensor (contract {contract} has its own "
+                                 f"index slots), got None")
             index_slot_mapping = slot_mapping
         _slots("index_slot_mapping", index_slot_mapping, device, T)
         if index_q_out is not None:
             _tensor("index_q_out", index_q_out, device=device)
-            if (index_q_out.dtype in FP8_NAMES) != (index_cache.dtype in FP8_NAMES) or \
-                    index_q_out.dtype not in (qkv.dtype, *FP8_NAMES):
-                raise TypeError(f"index_q_out: expected the index dtype of index_cache "
-                                f"({index_cache.dtype}), got {index_q_out.dtype}")
-    fp8 = _fp8_flavour([(k_name, k_cache), ("index_cache", index_cache if full else None),
-                        ("index_q_out", index_q_out if full else None)])
-    kv_fp8 = k_cache.dtype in FP8_NAMES
-    if kv_fp8:
+            if index_q_out.dtype != index_cache.dtype:
+                raise TypeError(f"index_q_out: expected dtype {_dt(index_cache.dtype)} (the dtype of "
+                                f"index_cache), got {_dt(index_q_out.dtype)}")
+    else:
+        for name, val in zip(_INDEX_ARGS, (index_q_norm_weight, index_k_norm_weight, index_cache,
+                                           index_slot_mapping, index_q_out)):
+            _absent(name, val, _NO_INDEX[mode])
+    fp8 = _fp8_flavour([(k_name, k_cache), ("index_cache", index_cache)])
+    if k_cache.dtype in FP8_NAMES:
         ks = _scale_kind("k_scale", k_scale, device, num_kv_heads)
         vs = _scale_kind("v_scale", v_scale, device, num_kv_heads)
         if ks != vs:
             raise ValueError(f"v_scale: expected the granularity of k_scale ({ks}), got {vs}")
         kv_scale = ks
     else:
-        kv_scale, k_scale, v_scale = "none", None, None  # a bf16/fp16 cache takes no scale
+        why = f"{k_name} is {_dt(k_cache.dtype)}: a model-dtype cache takes no scale"
+        _absent("k_scale", k_scale, why)
+        _absent("v_scale", v_scale, why)
+        kv_scale = "none"
 
     point = {
         "contract": contract, "dtype": MODEL_DTYPES[qkv.dtype], "head_dim": D, "rotary_dim": rotary_dim,
@@ -249,7 +359,8 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
         try:
             variant = _SIGNATURES[key] = make_variant(contracts, point)
         except PointError as e:
-            raise ValueError(f"unsupported signature: {e.axis}: {e}") from None
+            arg = k_name if e.axis == "fp8" else _AXIS_ARGUMENT.get(e.axis, e.axis)
+            raise ValueError(f"{arg}: unsupported signature: {e.axis}: {e}") from None
 
     _cache(variant, "k", k_name, k_cache)
     if not c.combined_kv:
@@ -258,16 +369,18 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
         _cache(variant, "index", "index_cache", index_cache)
     for name, out, heads, dtypes in (("q_out", q_out, num_heads, (qkv.dtype,)),
                                      ("index_q_out", index_q_out if full else None, num_index_heads,
-                                      (index_cache.dtype if full else None,))):
+                                      (index_cache.dtype if full else None,))) if outputs else ():
         if out is None and (name == "q_out" or full):
             # the public function allocates it; the op itself (torch.ops) needs it passed
-            raise ValueError(f"{name}: required (an output the kernel writes), got None")
+            raise ValueError(f"{name}: expected a tensor (an output the kernel writes; "
+                             f"fused_qknorm_rope_cache allocates it when not passed), got None")
         if out is None:
             continue
         _tensor(name, out, device=device)
         _dtype(name, out, dtypes)
         if out.shape not in ((T, heads, D), (T, heads * D)):
-            raise ValueError(f"{name}: expected shape ({T}, {heads}, {D}), got {_shape(out)}")
+            raise ValueError(f"{name}: expected shape ({T}, {heads}, {D}) or ({T}, {heads * D}), "
+                             f"got {_shape(out)}")
         _contiguous(name, out)
         _aligned(name, out)
     tensors = Tensors(

@@ -61,7 +61,7 @@ def test_signature_is_read_from_the_tensors():
     args = seed_args(SEED_FP8)
     assert args["k_cache"].dtype == torch.float8_e4m3fnuz
     v, _ = check(**{k: args.get(k) for k in inspect.signature(check).parameters if k not in (
-        "contract", "index_mode", "norm", "kv_cache")}, contract="vllm_shuffle16", index_mode="full",
+        "contract", "index_mode", "norm", "kv_cache", "outputs")}, contract="vllm_shuffle16", index_mode="full",
         norm="gemma", kv_cache=None)
     assert v == SEED_FP8
 
@@ -74,8 +74,8 @@ A = seed_args()
     (dict(qkv=A["qkv"][:, None]), ValueError, "qkv: expected a 2-D tensor [num_tokens, row], got shape (6, 1, 1920)"),
     (dict(qkv=torch.empty(1920, 6, dtype=torch.bfloat16).t()), ValueError,
      "qkv: expected rows of contiguous elements whose row stride is a multiple of 8, got strides (1, 6)"),
-    (dict(num_heads=5), ValueError, "qkv: a row of 1920 elements does not hold num_heads=5 + 2*num_kv_heads=4 "
-     "+ num_index_heads=2 + 1 index_k head heads of head_dim 128 (= 2048, index_mode full)"),
+    (dict(num_heads=5), ValueError, "qkv: expected rows of 2048 elements (num_heads=5 + 2*num_kv_heads=4 "
+     "+ num_index_heads=2 + 1 index_k head = 16 heads of head_dim 128, index_mode full), got rows of 1920"),
     (dict(rotary_dim=63), ValueError, "rotary_dim: expected an even number in [2, head_dim=128], got 63"),
     (dict(cos_sin_cache=A["cos_sin_cache"][:0]), ValueError,
      "cos_sin_cache: expected at least one row (position), got shape (0, 64)"),
@@ -88,29 +88,33 @@ A = seed_args()
      "slot_mapping: expected at most num_tokens=6 entries, got 7"),
     (dict(cos_sin_cache=A["cos_sin_cache"][:, :32]), ValueError,
      "cos_sin_cache: expected shape [max_pos, rotary_dim=64], got (4096, 32)"),
-    (dict(q_norm_weight=A["q_norm_weight"][:64]), ValueError,
-     "k_norm_weight: expected shape (64,) (head_dim, the size of q_norm_weight), got (128,)"),
+    (dict(q_norm_weight=A["q_norm_weight"][:64]), ValueError,  # k_norm_weight and the row agree on 128
+     "q_norm_weight: expected shape (128,) (head_dim, the size of k_norm_weight, whose heads fill the qkv row), "
+     "got (64,)"),
+    (dict(k_norm_weight=A["k_norm_weight"][:64]), ValueError,
+     "k_norm_weight: expected shape (128,) (head_dim, the size of q_norm_weight), got (64,)"),
     (dict(k_norm_weight=A["k_norm_weight"].half()), TypeError,
      "k_norm_weight: expected dtype bfloat16 (the dtype of qkv), got float16"),
     (dict(k_cache=A["k_cache"][:, :, :, :, :4]), ValueError,
      "k_cache: expected shape [pages, 4, 16, 16, 8] for contract vllm_shuffle16 with this signature, "
      "got (4, 4, 16, 16, 4)"),
     (dict(v_cache=A["v_cache"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
-     "v_cache: dimension 1 must be contiguous (stride 2048) for contract vllm_shuffle16; got strides "
-     "(8192, 1024, 4096, 8, 1)"),
+     "v_cache: expected stride 2048 in dimension 1 (contiguous, as contract vllm_shuffle16 lays it out), got "
+     "strides (8192, 1024, 4096, 8, 1)"),
     (dict(v_cache=A["v_cache"].half()), TypeError,
-     "v_cache: expected the dtype of k_cache (torch.bfloat16), got torch.float16"),
-    (dict(index_cache=None), ValueError, "index_cache: required with index_mode 'full', got None"),
+     "v_cache: expected dtype bfloat16 (the dtype of k_cache), got float16"),
+    (dict(index_cache=None), ValueError, "index_cache: expected a tensor (required with index_mode 'full'), got None"),
     (dict(index_slot_mapping=None), ValueError,
-     "index_slot_mapping: contract vllm_shuffle16 requires its own index slots, got None"),
+     "index_slot_mapping: expected a tensor (contract vllm_shuffle16 has its own index slots), got None"),
     (dict(index_mode="sparse"), ValueError, "index_mode: expected one of 'full', 'skip', 'none', got 'sparse'"),
     (dict(contract="trtllm"), ValueError,  # the form, over whatever contracts the variants files hold
      f"contract: expected one of {', '.join(sorted(spec().contracts))}, got 'trtllm'"),
     (dict(kv_cache=A["k_cache"]), ValueError,
-     "k_cache: contract vllm_shuffle16 keeps K and V in two tensors; pass k_cache= and v_cache= (not kv_cache)"),
-    (dict(norm="layer"), ValueError, "unsupported signature: norm: expected one of 'gemma', 'plain', got 'layer'"),
+     "kv_cache: expected None (contract vllm_shuffle16 keeps K and V in two tensors, k_cache and v_cache), got a "
+     "bfloat16 tensor of shape (4, 4, 16, 16, 8)"),
+    (dict(norm="layer"), ValueError, "norm: expected one of 'gemma', 'plain', got 'layer'"),
     (dict(q_out=torch.empty(6, 4, 127, dtype=torch.bfloat16)), ValueError,
-     "q_out: expected shape (6, 4, 128), got (6, 4, 127)"),
+     "q_out: expected shape (6, 4, 128) or (6, 512), got (6, 4, 127)"),
 ])
 def test_bad_input_is_rejected_before_any_write(changes, exc, message):
     bad(A, exc, message, **changes)
@@ -118,17 +122,18 @@ def test_bad_input_is_rejected_before_any_write(changes, exc, message):
 
 def test_bad_scales_and_signatures():
     f = seed_args(SEED_FP8)
-    bad(f, ValueError, "k_scale: expected shape (1,) (per tensor) or (4,) (per kv head), got (3,)",
+    bad(f, ValueError, "k_scale: expected shape (1,) or () (per tensor) or (4,) (per kv head), got (3,)",
         k_scale=torch.ones(3))
     bad(f, TypeError, "k_scale: expected dtype float32, got float64", k_scale=torch.ones(1, dtype=torch.float64))
     bad(f, ValueError, "v_scale: expected the granularity of k_scale (per_tensor), got unit", v_scale=None)
-    bad(f, ValueError, "unsupported signature: kv_scale: contract vllm_shuffle16 allows kv_scale none, "
+    bad(f, ValueError, "k_scale: unsupported signature: kv_scale: contract vllm_shuffle16 allows kv_scale none, "
         "per_tensor, not per_head", k_scale=torch.ones(4), v_scale=torch.ones(4))
-    bad(f, TypeError, "FP8 tensors must share one flavour: k_cache is e4m3fnuz, index_cache is e4m3fn, "
-        "index_q_out is e4m3fn",
+    bad(f, TypeError, "index_cache: expected dtype float8_e4m3fnuz (the FP8 flavour of k_cache), got float8_e4m3fn",
         index_cache=f["index_cache"].view(torch.float8_e4m3fn), index_q_out=None)
+    bad(f, TypeError, "index_q_out: expected dtype float8_e4m3fnuz (the dtype of index_cache), got float8_e4m3fn",
+        index_q_out=f["index_q_out"].view(torch.float8_e4m3fn))
     s = seed_args(SGLANG)
-    bad(s, ValueError, "unsupported signature: kv_scale: contract sglang_nhd allows kv_scale none, unit, "
+    bad(s, ValueError, "k_scale: unsupported signature: kv_scale: contract sglang_nhd allows kv_scale none, unit, "
         "not per_tensor", k_scale=torch.ones(1), v_scale=torch.ones(1))
 
 
@@ -228,12 +233,14 @@ def test_the_op_itself_needs_its_outputs_passed():
     defaults = {"eps": 1e-6, "index_mode": "full", "norm": "gemma", "kv_cache": None}
     call = dict(args, index_q_out=None)
     snap = snapshot(call)
-    with pytest.raises(ValueError, match=r"^index_q_out: required \(an output the kernel writes\), got None$"):
+    required = (r": expected a tensor \(an output the kernel writes; fused_qknorm_rope_cache allocates it when "
+                r"not passed\), got None$")
+    with pytest.raises(ValueError, match="^index_q_out" + required):
         torch.ops.kvforge.fused_qknorm_rope_cache(
             *[call.get(n, defaults.get(n)) for n in _ARG_NAMES], False)
     assert_untouched(call, snap)
-    names = inspect.signature(check).parameters
-    with pytest.raises(ValueError, match=r"^q_out: required \(an output the kernel writes\), got None$"):
+    names = [n for n in inspect.signature(check).parameters if n != "outputs"]
+    with pytest.raises(ValueError, match="^q_out" + required):
         check(**{n: dict(args, q_out=None).get(n, defaults.get(n)) for n in names})
 
 
