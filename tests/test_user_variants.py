@@ -140,7 +140,7 @@ def test_the_registry_lists_an_added_file(hnd, monkeypatch):
 
 # The tests that read a contract's layout: the reference read back through the contract's
 # expressions, validation and its messages, the compile checks (a sample holds every contract).
-CONTRACT_TESTS = ["tests/test_reference.py", "tests/test_api.py", "tests/test_amd.py",
+CONTRACT_TESTS = ["tests/test_reference.py", "tests/test_api.py", "tests/test_bad_inputs.py", "tests/test_amd.py",
                   "tests/test_build.py::test_variants_compile_for_sm90"]
 
 
