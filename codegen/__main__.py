@@ -60,7 +60,9 @@ def _compile(variants: list[Variant], targets: list[str], jobs: int) -> int:
                     tc = toolchain.amd_check(target)
                 else:
                     tc = toolchain.detect(is_rocm=False, arch=target)
-                cached = sum(job.library(tc, build.cache_root()).exists() for job in sources)
+                root = build.cache_root()
+                # Only a library whose record matches it counts (a damaged one is rebuilt).
+                cached = sum(build.check_artifact(job.library(tc, root)) is None for job in sources)
                 bar.update(task, completed=cached)
 
                 def progress(built: int, line: str, task=task, cached=cached, target=target) -> None:
@@ -69,7 +71,12 @@ def _compile(variants: list[Variant], targets: list[str], jobs: int) -> int:
                         console.print(f"{target}: [{cached + built}/{len(variants)}] {line}",
                                       highlight=False, soft_wrap=True)
 
-                count = len(build.build_many(sources, tc, parallel=jobs, progress=progress))
+                paths = build.build_many(sources, tc, root, parallel=jobs, progress=progress)
+                # Counted only as verified now, against the record written at install.
+                unverified = [f"{p}: {problem}" for p in paths if (problem := build.check_artifact(p))]
+                count = len(paths) - len(unverified)
+                if unverified:
+                    raise build.BuildError("built but not verified:\n" + "\n".join(unverified))
             except Exception as e:  # report every target, then fail
                 failures += 1
                 console.print(f"{target}: FAILED: {e}", markup=False, highlight=False)

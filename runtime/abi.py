@@ -71,7 +71,10 @@ class KernelLibrary:
 
     def __init__(self, path: str, uri: str):
         self.path = path
-        self.lib = ctypes.CDLL(path)  # OSError on a corrupt file: the registry rebuilds
+        # The registry loads only a file that matched its build record (build.check_artifact):
+        # dlopen of a truncated library can kill the process (SIGBUS) instead of raising.
+        # OSError here (a foreign library, another ABI) makes build_and_load rebuild it once.
+        self.lib = ctypes.CDLL(path)
         self.lib.kvf_abi_version.restype = ctypes.c_int
         self.lib.kvf_variant.restype = ctypes.c_char_p
         self.lib.kvf_error_string.restype = ctypes.c_char_p

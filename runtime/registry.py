@@ -4,6 +4,8 @@ The variants known here are the shipped variants.yaml's plus those of the user's
 variants files (KVFORGE_VARIANTS, or `add_variants`). Shipped variants use their
 checked-in source from generated/; any other valid signature is rendered on the fly
 (same template, same checks) and built; one no file lists also warns how to list it.
+A library is loaded only after its file matches the record written when it was built
+(runtime/build.py: a damaged one is rebuilt with a CorruptArtifactWarning, never dlopened).
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 nvcc on NVIDIA, hipcc on ROCm. Everything that changes the binary (compiler
 version, arch, flags) is part of `Toolchain` and so of the build cache key.
 Detection takes its probes as arguments so the ROCm path is testable without ROCm.
+A compiler that is missing, fails its `--version` probe or hangs in it (60 s) raises a
+`ToolchainError` naming the command and what to set (PATH, CUDA_HOME, ROCM_PATH).
 """
 from __future__ import annotations
 
@@ -76,8 +78,24 @@ class Toolchain:
                 f"--rocm-path={self.rocm_path}", *self._define_flags, f"-I{INCLUDE}", source]
 
 
+PROBE_TIMEOUT = 60  # seconds a compiler's `--version` may take
+
+
 def _run(cmd: list[str]) -> str:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    """A probe's stdout; a ToolchainError naming the command if it cannot run, fails or hangs."""
+    try:
+        return subprocess.run(cmd, check=True, capture_output=True, text=True, errors="replace",
+                              timeout=PROBE_TIMEOUT).stdout
+    except OSError as e:
+        raise ToolchainError(f"cannot run {cmd[0]}: {e.strerror or e} (command: {' '.join(cmd)}); "
+                             "install the compiler or fix PATH / CUDA_HOME / ROCM_PATH") from None
+    except subprocess.CalledProcessError as e:
+        tail = "\n".join(((e.stdout or "") + (e.stderr or "")).strip().splitlines()[-10:])
+        raise ToolchainError(f"{' '.join(cmd)} exited with status {e.returncode}; is {cmd[0]} a "
+                             f"working compiler?\n{tail}") from None
+    except subprocess.TimeoutExpired:
+        raise ToolchainError(f"{' '.join(cmd)} did not finish within {PROBE_TIMEOUT} s; is {cmd[0]} "
+                             "a working compiler?") from None
 
 
 def _nvcc_version(out: str) -> str:
@@ -119,14 +137,16 @@ def detect(*, is_rocm: Optional[bool] = None, which: Callable[[str], Optional[st
         home = env.get("ROCM_PATH") or env.get("HIP_PATH") or "/opt/rocm"
         compiler = which("hipcc") or _existing(Path(home) / "bin" / "hipcc")
         if not compiler:
-            raise ToolchainError(f"hipcc not found on PATH or under ROCM_PATH ({home})")
+            raise ToolchainError(f"hipcc not found on PATH or under ROCM_PATH ({home}): install ROCm, "
+                                 "or put hipcc on PATH or set ROCM_PATH")
         if not arch.startswith("gfx"):
             raise ToolchainError(f"hipcc builds for gfx targets, got arch {arch!r}")
         return Toolchain("hipcc", compiler, _hipcc_version(run([compiler, "--version"])), arch)
     home = env.get("CUDA_HOME") or env.get("CUDA_PATH") or "/usr/local/cuda"
     compiler = which("nvcc") or _existing(Path(home) / "bin" / "nvcc")
     if not compiler:
-        raise ToolchainError(f"nvcc not found on PATH or under CUDA_HOME ({home})")
+        raise ToolchainError(f"nvcc not found on PATH or under CUDA_HOME ({home}): install the CUDA "
+                             "toolkit, or put nvcc on PATH or set CUDA_HOME")
     if not re.fullmatch(r"sm_\d+a?", arch):
         raise ToolchainError(f"nvcc builds for sm_XX targets, got arch {arch!r}")
     return Toolchain("nvcc", compiler, _nvcc_version(run([compiler, "--version"])), arch)

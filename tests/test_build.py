@@ -94,92 +94,70 @@ def test_unlisted_signature_is_rendered_built_and_explained(nvcc_sm90, tmp_path,
     assert "head_dim: 64" in hint and "python -m kvforge.codegen" in hint
 
 
-@needs_nvcc
-def test_corrupt_library_is_rebuilt(nvcc_sm90, tmp_path, monkeypatch):
-    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
-    v = spec().variants[0]
-    job = build.Job(v.uri, source_of(v))
-    path = build.build(job, nvcc_sm90)
-    path.write_bytes(b"\x7fELF truncated")
-    with pytest.raises(OSError):
-        KernelLibrary(str(path), v.uri)
-    lib = Registry().get(v, nvcc_sm90)  # rebuilds instead of crashing
-    assert lib.uri == v.uri and path.stat().st_size > 1000
+# A stand-in for the AMD check's compiler (its outputs, assembly, are text: checked by
+# their record alone): logs each run, then writes `asm <its pid>` to -o, `sleep`ing between.
+FAKE_CC = ('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\n'
+           'echo "run $$" >> "$0.log"; echo "asm $$ begins" > "$out"; sleep {sleep}; echo "asm $$ ends" >> "$out"\n')
 
 
-def test_build_many_builds_only_what_the_cache_lacks(tmp_path, monkeypatch):
-    """A second run of the same jobs compiles nothing (CI's compile step, then the tests'
-    compile checks, share one cache); a new job alone is built."""
-    tc = toolchain.Toolchain("nvcc", "/bin/false", "13.0.88", "sm_90")
-    jobs = [build.Job(v.uri, source_of(v)) for v in spec().variants[:3]]
-    built = []
-
-    def fake_ninja(ninja_file, jobs=None, targets=(), progress=None):
-        outs = [line.split()[1].rstrip(":") for line in ninja_file.read_text().splitlines()
-                if line.startswith("build ")]
-        built.append(sorted(outs))
-        for out in outs:
-            Path(out).write_bytes(b"lib")
-
-    monkeypatch.setattr(build, "run_ninja", fake_ninja)
-    paths = build.build_many(jobs[:2], tc, root=tmp_path)
-    assert built == [sorted(map(str, paths))] and len(paths) == 2
-    assert build.build_many(jobs[:2], tc, root=tmp_path) == paths and len(built) == 1
-    assert build.build_many(jobs, tc, root=tmp_path)[:2] == paths
-    assert built[1] == [str(jobs[2].library(tc, tmp_path))]
-
-
-def test_two_builds_of_one_missing_library_each_install_a_whole_one(tmp_path):
-    """build_many takes no lock: two runs of it (here two threads) that both miss a
-    library write its source and compile it side by side, each to temporary names of
-    its own, so neither writes into the other's file and both install a whole one (a
-    shared temporary name interleaved them, or made the second rename fail)."""
+def fake_amd_check(tmp_path, sleep=0):
     compiler = tmp_path / "fakecc"
-    compiler.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\n'
-                        'echo "$$ begins" > "$out"; sleep 0.5; echo "$$ ends" >> "$out"\n')
+    compiler.write_text(FAKE_CC.format(sleep=sleep))
     compiler.chmod(0o755)
-    tc = toolchain.Toolchain("nvcc", str(compiler), "13.0.88", "sm_90")
+    log = tmp_path / "fakecc.log"
+
+    def runs() -> int:
+        return log.read_text().count("run ") if log.exists() else 0
+
+    return toolchain.Toolchain("clang-hip", str(compiler), "22", "gfx942", "/r"), runs
+
+
+def test_build_many_builds_only_what_the_cache_lacks(tmp_path):
+    """A second run of the same jobs compiles nothing (CI's compile step, then the tests'
+    compile checks, share one cache); a new job alone is built; one whose record is gone
+    is rebuilt, with a warning naming it. Every library returned matches its record."""
+    tc, runs = fake_amd_check(tmp_path)
+    jobs = [build.Job(v.uri, source_of(v)) for v in spec().variants[:3]]
+    root = tmp_path / "cache"
+    paths = build.build_many(jobs[:2], tc, root=root)
+    assert runs() == 2 and paths == [job.library(tc, root) for job in jobs[:2]]
+    assert all(build.check_artifact(p) is None for p in paths)
+    assert build.build_many(jobs[:2], tc, root=root) == paths and runs() == 2
+    assert build.build_many(jobs, tc, root=root)[:2] == paths and runs() == 3
+    build.record_path(paths[1]).unlink()
+    with pytest.warns(build.CorruptArtifactWarning, match=f"{paths[1]}: it has no record"):
+        assert build.build_many(jobs, tc, root=root)[1] == paths[1]
+    assert runs() == 4 and build.check_artifact(paths[1]) is None
+
+
+def test_jit_builds_and_build_many_of_one_library_run_the_compiler_once(tmp_path):
+    """The JIT `build` and the ahead-of-time `build_many` install through one function under
+    the library's lock: three threads of each kind building one missing library run the
+    compiler once; all get the same whole library (one run's output, not two interleaved),
+    verified, and no temporary file is left."""
+    tc, runs = fake_amd_check(tmp_path, sleep=0.5)
     v = spec().variants[0]
     job = build.Job(v.uri, source_of(v))
+    root = tmp_path / "cache"
     results, errors = [], []
 
-    def run():
+    def run(fn):
         try:
-            results.append(build.build_many([job], tc, root=tmp_path / "cache"))
+            results.append(fn())
         except build.BuildError as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=run) for _ in range(2)]
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in
+               [lambda: build.build(job, tc, root), lambda: build.build_many([job], tc, root=root)[0]] * 3]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors and len(results) == 2
-    pid_begins, pid_ends = (line.split() for line in results[0][0].read_text().splitlines())
-    assert pid_begins[0] == pid_ends[0] and (pid_begins[1], pid_ends[1]) == ("begins", "ends")
-    assert not list(results[0][0].parent.glob("*.tmp"))
-
-
-@needs_nvcc
-def test_concurrent_builds_build_once(nvcc_sm90, tmp_path, monkeypatch):
-    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
-    v = spec().variants[1]
-    job = build.Job(v.uri, source_of(v))
-    calls, real = [], build.run_ninja
-
-    def counting(*a, **k):
-        calls.append(a)
-        return real(*a, **k)
-
-    monkeypatch.setattr(build, "run_ninja", counting)
-    paths = []
-    threads = [threading.Thread(target=lambda: paths.append(build.build(job, nvcc_sm90))) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(set(paths)) == 1 and len(calls) == 1
-    assert not list(paths[0].parent.glob("*.tmp"))
+    assert not errors and len(results) == 6 and len(set(results)) == 1 and runs() == 1
+    lib = results[0]
+    pid_begins, pid_ends = (line.split() for line in lib.read_text().splitlines())
+    assert pid_begins[1] == pid_ends[1] and (pid_begins[2], pid_ends[2]) == ("begins", "ends")
+    assert build.check_artifact(lib) is None and not list(lib.parent.glob("*.tmp"))
 
 
 @needs_nvcc
