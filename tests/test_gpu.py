@@ -230,9 +230,9 @@ def test_launch_with_reads_no_tuned_table(monkeypatch):
     def stale(device):
         raise TuningError(f"{device}: a stale table")
 
-    monkeypatch.setattr(runtime.api.tuning, "table_for", stale)
-    monkeypatch.setattr(runtime.api, "_PLANS", {})
-    monkeypatch.setattr(runtime.api.dispatch, "launch", lambda argv: False)  # no signature bound before
+    monkeypatch.setattr(kvforge.runtime.api.tuning, "table_for", stale)
+    monkeypatch.setattr(kvforge.runtime.api, "_PLANS", {})
+    monkeypatch.setattr(kvforge.runtime.api.dispatch, "launch", lambda argv: False)  # no signature bound before
     v = _seed_variant()
     args = make_inputs(v, 13, 8, 2, slots="decode", device="cuda", seed=4)
     check_against_reference(args, lambda **a: launch_with(Launch(1, 2, V_LOOP_OFF), **a)(), ref_device="cuda")
@@ -248,13 +248,13 @@ def test_a_signature_validated_before_launches_from_the_table(monkeypatch):
     v = _seed_variant()
     fused_qknorm_rope_cache(**with_outputs(make_inputs(v, 16, 8, 2, slots="decode", device="cuda", seed=1)))
 
-    check = runtime.api.check
+    check = kvforge.runtime.api.check
 
     def validated(**kwargs):  # the reference (on the CPU) still validates its calls
         assert kwargs["qkv"].device.type == "cpu", "a signature validated before was validated again"
         return check(**kwargs)
 
-    monkeypatch.setattr(runtime.api, "check", validated)
+    monkeypatch.setattr(kvforge.runtime.api, "check", validated)
     for seed in (2, 3):
         check_against_reference(make_inputs(v, 16, 8, 2, slots="decode", device="cuda", seed=seed),
                                 fused_qknorm_rope_cache)
