@@ -523,4 +523,5 @@ def test_an_interrupted_build_many_stops_its_compilers_and_leaves_nothing_truste
     for job in jobs[1:]:
         lib = job.library(tc, tmp_path / "cache")
         assert not lib.exists() and not list(lib.parent.glob("*.tmp"))
-    assert (tmp_path / "cc.log").read_text().count("run") <= 2  # the 4th never started
+    log = tmp_path / "cc.log"  # absent where the slow compilers were killed before they logged
+    assert (log.read_text().count("run") if log.exists() else 0) <= 2  # the 4th never started
