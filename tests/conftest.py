@@ -24,7 +24,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_kernel_cache(tmp_path_factory):
-    """Tests build into their own cache unless KVFORGE_CACHE_DIR says otherwise."""
+    """Tests build into their own cache unless KVFORGE_CACHE_DIR says otherwise: one for the
+    run, shared by its xdist workers (the cache's per-library locks make that safe), so a
+    library one worker built is not compiled again by another."""
     if "KVFORGE_CACHE_DIR" not in os.environ:
-        os.environ["KVFORGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvforge-cache"))
+        base = tmp_path_factory.getbasetemp()
+        run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+        (run / "kvforge-cache").mkdir(exist_ok=True)
+        os.environ["KVFORGE_CACHE_DIR"] = str(run / "kvforge-cache")
     yield

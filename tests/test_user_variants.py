@@ -139,15 +139,18 @@ def test_the_registry_lists_an_added_file(hnd, monkeypatch):
 
 
 # The tests that read a contract's layout: the reference read back through the contract's
-# expressions, validation and its messages, the compile checks (a sample holds every contract).
-CONTRACT_TESTS = ["tests/test_reference.py", "tests/test_api.py", "tests/test_bad_inputs.py", "tests/test_amd.py",
-                  "tests/test_build.py::test_variants_compile_for_sm90"]
+# expressions, validation and its messages, the bad-input table (fast tier); and the
+# compile checks, whose samples hold every contract (slow tier: they compile).
+CONTRACT_TESTS = ["tests/test_reference.py", "tests/test_api.py", "tests/test_bad_inputs.py"]
+COMPILE_TESTS = ["tests/test_amd.py", "tests/test_build.py::test_variants_compile_for_sm90"]
 
 
-def test_a_contract_only_in_yaml_passes_the_contract_tests(hnd):
+@pytest.mark.parametrize("tests", [CONTRACT_TESTS, pytest.param(COMPILE_TESTS, marks=pytest.mark.slow)],
+                         ids=["contract", "compile"])
+def test_a_contract_only_in_yaml_passes_the_contract_tests(hnd, tests):
     """The CPU suite's contract tests, unedited, on a contract that only a user's file has."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rN", "-v",
-                           *CONTRACT_TESTS], cwd=REPO, text=True, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rN", "-v", "-n", "0",
+                           *tests], cwd=REPO, text=True, capture_output=True,
                           env={**os.environ, "KVFORGE_VARIANTS": str(hnd)}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     ran = [line for line in proc.stdout.splitlines() if "user_hnd" in line and "PASSED" in line]
