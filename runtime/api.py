@@ -301,10 +301,8 @@ def fused_qknorm_rope_cache(
             index_q_out = torch.empty((qkv.shape[0], num_index_heads, q_norm_weight.numel()),
                                       dtype=index_cache.dtype, device=qkv.device)
     except Exception:  # noqa: BLE001 - whatever the malformed argument raised
-        _reject((qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
-                 k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
-                 k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads,
-                 rotary_dim, eps, contract, index_mode, norm))
+        given = locals()  # the parameters are named as the op's arguments (_ARG_NAMES)
+        _reject(tuple(given[name] for name in _ARG_NAMES))
         raise
     if type(eps) is not float and isinstance(eps, (int, float)) and not isinstance(eps, bool):
         eps = float(eps)  # the op's schema takes a float (validation rejects other types)
