@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from .model import SpecError, Variant, load_spec
+from .model import SpecError, Variant, lay_over, load_spec
 from .paths import VARIANTS_YAML, user_variant_files
 from .render import generate, source_of
 
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         overlays = [*user_variant_files(), *args.variants]
-        spec = load_spec(args.spec, *overlays)
-        shipped = load_spec(args.spec) if overlays else spec
+        shipped = load_spec(args.spec)
+        spec = lay_over(shipped, *overlays)
     except SpecError as e:
         print(e, file=sys.stderr)
         return 1

@@ -22,7 +22,7 @@ from .yamlload import LocDict, LocList, load
 
 __all__ = [
     "DType", "Fp8", "IndexMode", "IndexDtype", "KvScale", "Norm", "Saturation", "IndexSlots",
-    "Cache", "Contract", "Variant", "Family", "Spec", "SpecError", "load_spec", "parse_spec",
+    "Cache", "Contract", "Variant", "Family", "Spec", "SpecError", "lay_over", "load_spec", "parse_spec",
 ]
 
 
@@ -760,7 +760,11 @@ def load_spec(path: str | Path, *overlays: str | Path) -> Spec:
     """The shipped variants file (`path`), then each overlay laid over it in order. Errors
     name the shipped file by its base name and an overlay by the path as given."""
     path = Path(path)
-    spec = parse_spec(path.read_text(encoding="utf-8"), path.name)
+    return lay_over(parse_spec(path.read_text(encoding="utf-8"), path.name), *overlays)
+
+
+def lay_over(spec: Spec, *overlays: str | Path) -> Spec:
+    """`spec` with each overlay file laid over it in order (only the overlays are parsed)."""
     for overlay in overlays:
         try:
             text = Path(overlay).read_text(encoding="utf-8")

@@ -15,7 +15,7 @@ import warnings
 
 from pathlib import Path
 
-from kvforge.codegen.model import Spec, Variant, load_spec
+from kvforge.codegen.model import Spec, Variant, lay_over, load_spec
 from kvforge.codegen.paths import VARIANTS_YAML, user_variant_files
 from kvforge.codegen.render import source_of
 
@@ -46,7 +46,7 @@ def add_variants(path: str | Path) -> None:
     """Lay a variants file (contracts and families, as in variants.yaml) over the ones known,
     as KVFORGE_VARIANTS does at start-up. Raises SpecError, naming its lines, and then
     changes nothing."""
-    load_spec(VARIANTS_YAML, *user_variant_files(), *_ADDED, path)
+    lay_over(spec(), path)  # parses only the new file
     _ADDED.append(Path(path))
     spec.cache_clear()
     listed.cache_clear()
