@@ -1,4 +1,4 @@
-"""A/B timing of kernel builds that differ by preprocessor definitions, on one GPU.
+"""A/B timing of kernel builds that differ by preprocessor definitions or kernel tree, on one GPU.
 
     python benchmarks/ab.py --sets "base=;moved=KVF_X=1,KVF_Y" --cases m3:1:1024,fp8:8:8192:1:4:1:2
                             [--rounds 3] [--out results.json]
@@ -11,6 +11,21 @@ Every build's launch of a case is checked against the reference, then timed as b
 times the op (CUDA-graph replay, inputs rotated past L2), the sets in turn and in reverse
 order on alternate rounds; a case's line gives each set's fastest time and its change from
 the baseline's. Nothing is written to the tuning table or the benchmark results.
+
+A set `name=@DIR[:DEFINES]` builds the kernel of another checkout of this repository at
+DIR (from the current directory; no ':' in it): its headers (DIR/include) and its checked-in
+source of each case's variant (DIR/generated/<uri>.hip), with DEFINES if given. Everything
+else is this checkout's: the variants and inputs, the reference check, the launches and the
+runtime, whose ABI the libraries must have (one that fails its load check is named with its
+set and variant before any timing). So a change that rewrites the kernel is judged against
+the commit before it in one run:
+So a change that rewrites the kernel is judged against the commit before it in one run:
+
+    mkdir -p .device/old && git archive HEAD~1 | tar -x -C .device/old
+    python benchmarks/ab.py --sets "old=@.device/old;new=" --cases m3:1:1024,fp8:8:8192
+
+A case whose variant DIR lacks (a variant new since that commit) is refused before any
+build, naming the set, the case and the variant.
 """
 from __future__ import annotations
 
@@ -29,9 +44,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench import CONFIGS, TP, find_variant, graph_us, hang_watchdog, input_sets  # noqa: E402
 from kvforge.codegen.layout import v_transposed  # noqa: E402
+from kvforge.codegen.model import Variant  # noqa: E402
 from kvforge.runtime import build, toolchain  # noqa: E402
 from kvforge.runtime.api import launch_with  # noqa: E402
-from kvforge.runtime.registry import source_of  # noqa: E402
+from kvforge.runtime.registry import REGISTRY, MissingSourceError, source_of  # noqa: E402
 from kvforge.runtime.testing import ReferenceCheck  # noqa: E402
 from kvforge.runtime.tuning import Launch, launch_used  # noqa: E402
 
@@ -47,21 +63,40 @@ class Case(NamedTuple):
     launch: Optional[Launch]   # None: the tuned launch
 
 
-def parse_sets(text: str) -> dict[str, tuple[str, ...]]:
-    """"base=;moved=KVF_X=1,KVF_Y" -> {"base": (), "moved": ("KVF_X=1", "KVF_Y")}."""
-    sets: dict[str, tuple[str, ...]] = {}
+@dataclasses.dataclass(frozen=True)
+class BuildSet:
+    """One build of the kernel: extra definitions, and the checkout whose kernel it is."""
+
+    defines: tuple[str, ...] = ()
+    tree: str = ""  # DIR of `@DIR` (as given); "": this checkout's kernel
+
+    def toolchain_from(self, base: toolchain.Toolchain) -> toolchain.Toolchain:
+        """`base` with these definitions added, on DIR (ToolchainError if it is no checkout)."""
+        tc = dataclasses.replace(base, defines=base.defines + self.defines)
+        return toolchain.on_tree(tc, self.tree) if self.tree else tc
+
+
+def parse_sets(text: str) -> dict[str, BuildSet]:
+    """"base=;moved=KVF_X=1,KVF_Y;old=@../old:KVF_Z" -> {"base": BuildSet(),
+    "moved": BuildSet(("KVF_X=1", "KVF_Y")), "old": BuildSet(("KVF_Z",), "../old")}."""
+    sets: dict[str, BuildSet] = {}
     for item in text.split(";"):
-        name, eq, defines = item.partition("=")
+        name, eq, value = item.partition("=")
         name = name.strip()
         if not eq or not name:
-            raise ValueError(f"--sets: expected name=DEFINES, got {item!r}")
+            raise ValueError(f"--sets: expected name=DEFINES or name=@DIR[:DEFINES], got {item!r}")
         if name in sets:
             raise ValueError(f"--sets: {name!r} named twice")
+        tree, defines = "", value
+        if value.startswith("@"):
+            tree, _, defines = value[1:].partition(":")
+            if not tree.strip():
+                raise ValueError(f"--sets: {name}: expected @DIR[:DEFINES], got {value!r}")
         found = tuple(d for d in defines.split(",") if d)
         bad = [d for d in found if not _DEFINE.fullmatch(d)]
         if bad:
             raise ValueError(f"--sets: {name}: expected NAME or NAME=VALUE definitions, got {bad}")
-        sets[name] = found
+        sets[name] = BuildSet(found, tree.strip())
     return sets
 
 
@@ -84,6 +119,19 @@ def parse_case(text: str) -> Case:
     if chosen and chosen.problems():
         raise ValueError(f"--cases: {text}: {'; '.join(chosen.problems())}")
     return Case(CONFIG_NAMES[fields[0]], tp, tokens, chosen)
+
+
+def set_jobs(name: str, tc: toolchain.Toolchain, variants: dict[str, Variant]) -> list[build.Job]:
+    """The builds a set needs: each case's variant (`variants`: by case) once, from the set's
+    tree; MissingSourceError naming the set and the case for a variant the tree lacks."""
+    jobs: dict[Variant, build.Job] = {}
+    for text, v in variants.items():
+        if v not in jobs:
+            try:
+                jobs[v] = build.Job(v.uri, source_of(v, tc))
+            except MissingSourceError as e:
+                raise MissingSourceError(f"{name}: case {text}: {e}") from None
+    return list(jobs.values())
 
 
 def run_case(case: Case, toolchains: dict[str, toolchain.Toolchain], rounds: int) -> dict[str, list[float]]:
@@ -109,7 +157,8 @@ def run_case(case: Case, toolchains: dict[str, toolchain.Toolchain], rounds: int
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sets", required=True, help='builds: "name=DEF,DEF;name2=..." (the first: the baseline)')
+    ap.add_argument("--sets", required=True,
+                    help='builds: "name=DEF,DEF;name2=@DIR[:DEF,...];..." (the first: the baseline)')
     ap.add_argument("--cases", required=True, help="config:tp:tokens[:depth:tile:v_loop:lanes],...")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="", help="where the times go as JSON (none: printed only)")
@@ -122,10 +171,21 @@ def main() -> int:
     if args.rounds < 1:
         ap.error(f"--rounds: expected at least 1, got {args.rounds}")
     base = toolchain.default()
-    toolchains = {name: dataclasses.replace(base, defines=base.defines + defines) for name, defines in sets.items()}
-    variants = {find_variant(CONFIGS[c.config], TP[c.tp][1]) for c in cases.values()}
-    for tc in toolchains.values():
-        build.build_many([build.Job(v.uri, source_of(v)) for v in variants], tc)
+    variants = {text: find_variant(CONFIGS[c.config], TP[c.tp][1]) for text, c in cases.items()}
+    try:  # every set's sources first: a checkout or a variant a tree lacks, before any build
+        toolchains = {name: s.toolchain_from(base) for name, s in sets.items()}
+        jobs = {name: set_jobs(name, tc, variants) for name, tc in toolchains.items()}
+    except (toolchain.ToolchainError, MissingSourceError) as e:
+        ap.error(f"--sets: {e}")
+    for name, tc in toolchains.items():
+        build.build_many(jobs[name], tc)
+        for v in set(variants.values()):  # loaded now, so a library of another ABI is named here
+            try:
+                REGISTRY.get(v, tc)
+            except OSError as e:
+                print(f"ab.py: set {name} ({sets[name].tree or 'this checkout'}): variant {v.uri}: its "
+                      f"library does not load with this checkout's runtime: {e}", file=sys.stderr)
+                return 1
     first = next(iter(sets))
     results = {}
     for text, case in cases.items():
@@ -135,7 +195,8 @@ def main() -> int:
         print(f"{text:22s} " + "  ".join(f"{name} {us:8.2f} us ({us / best[first] - 1:+.1%})"
                                          for name, us in best.items()), flush=True)
         if args.out:  # after every case, so a run cut short keeps what it measured
-            Path(args.out).write_text(json.dumps({"sets": sets, "times_us": results}, indent=1) + "\n")
+            record = {"sets": {name: dataclasses.asdict(s) for name, s in sets.items()}, "times_us": results}
+            Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

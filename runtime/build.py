@@ -1,8 +1,9 @@
 """Build kernel sources into shared libraries, once, and never load a damaged one.
 
 One library per variant, keyed like Triton's cache: hash of the source text and
-every header it includes, compiler version, arch and flags. The key names the
-directory, so a changed input can never load a stale binary.
+every header it includes (those of the toolchain's include directory: this package's, or
+another checkout's for a toolchain `on_tree`), compiler version, arch and flags. The key
+names the directory, so a changed input can never load a stale binary.
 
 Every library is installed by one function, which the JIT path (`build`) and the
 ahead-of-time `python -m kvforge.codegen compile` (`build_many`: one thread per library,
@@ -46,8 +47,6 @@ from typing import Callable, Optional, TypeVar
 
 from filelock import FileLock, Timeout
 
-from kvforge.codegen.render import kernel_sources
-
 from .toolchain import Toolchain
 
 
@@ -71,12 +70,17 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "kvforge"
 
 
+def headers(include: Path) -> dict[str, bytes]:
+    """Every file under an include directory, by name relative to its parent ("include/...")."""
+    return {f"include/{p.relative_to(include).as_posix()}": p.read_bytes()
+            for p in sorted(include.rglob("*")) if p.is_file()}
+
+
 def cache_key(source: str, tc: Toolchain) -> str:
     h = hashlib.sha256()
     h.update(source.encode())
-    for name, data in sorted(kernel_sources().items()):
-        if name.startswith("include/"):
-            h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    for name, data in sorted(headers(tc.include).items()):
+        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     h.update("\0".join((tc.kind, tc.version, tc.arch, *tc.flags)).encode())
     return h.hexdigest()[:20]
 

@@ -4,6 +4,8 @@ The variants known here are the shipped variants.yaml's plus those of the user's
 variants files (KVFORGE_VARIANTS, or `add_variants`). Shipped variants use their
 checked-in source from generated/; any other valid signature is rendered on the fly
 (same template, same checks) and built; one no file lists also warns how to list it.
+A toolchain on another checkout (`toolchain.on_tree`) builds that tree's checked-in source
+of the variant instead (`source_of`), and a variant the tree lacks is refused.
 A library is loaded only after its file matches the record written when it was built
 (runtime/build.py: a damaged one is rebuilt with a CorruptArtifactWarning, never dlopened).
 """
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from kvforge.codegen.model import Spec, Variant, lay_over, load_spec
 from kvforge.codegen.paths import VARIANTS_YAML, user_variant_files
-from kvforge.codegen.render import source_of
+from kvforge.codegen import render
 
 from . import build as _build
 from . import toolchain as _toolchain
@@ -26,6 +28,24 @@ from .abi import KernelLibrary
 
 class UnlistedVariantWarning(UserWarning):
     pass
+
+
+class MissingSourceError(LookupError):
+    """A toolchain's tree (another checkout) has no source of the variant asked for."""
+
+
+def source_of(v: Variant, tc: _toolchain.Toolchain | None = None) -> str:
+    """The source `tc` builds for `v`: this package's (checked in, or rendered for a variant
+    generated/ lacks) or, for a toolchain on another tree, that tree's generated/<uri>.hip
+    (never rendered: this package's template need not fit that tree's headers)."""
+    if tc is None or not tc.tree:
+        return render.source_of(v)
+    path = Path(tc.tree, "generated", f"{v.uri}.hip")
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise MissingSourceError(f"{v.uri}: the tree {tc.tree} has no generated/{v.uri}.hip (a variant "
+                                 f"that tree lacks: new since it, or not listed there)") from None
 
 
 _ADDED: list[Path] = []  # add_variants() files, after KVFORGE_VARIANTS's
@@ -85,7 +105,8 @@ class Registry:
     def _load(v: Variant, tc: _toolchain.Toolchain) -> KernelLibrary:
         if v not in listed():
             warnings.warn(add_hint(v), UnlistedVariantWarning, stacklevel=4)
-        return _build.build_and_load(_build.Job(v.uri, source_of(v)), tc, lambda path: KernelLibrary(path, v.uri))
+        job = _build.Job(v.uri, source_of(v, tc))
+        return _build.build_and_load(job, tc, lambda path: KernelLibrary(path, v.uri))
 
 
 REGISTRY = Registry()

@@ -2,6 +2,8 @@
 
 nvcc on NVIDIA, hipcc on ROCm. Everything that changes the binary (compiler
 version, arch, flags) is part of `Toolchain` and so of the build cache key.
+A toolchain may build another checkout's kernel (`on_tree`: its headers and its checked-in
+sources) with this runtime, for A/B runs against an older kernel (benchmarks/ab.py).
 Detection takes its probes as arguments so the ROCm path is testable without ROCm.
 A compiler that is missing, fails its `--version` probe or hangs in it (60 s) raises a
 `ToolchainError` naming the command and what to set (PATH, CUDA_HOME, ROCM_PATH).
@@ -13,7 +15,7 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -47,6 +49,15 @@ class Toolchain:
     # Preprocessor definitions ("NAME=VALUE") for every kernel, e.g. KVF_ASYNC_COPY=0 to
     # run AMD's register pipeline on NVIDIA in the tests. Part of the flags, so of the key.
     defines: tuple[str, ...] = ()
+    # The root of another checkout of kvforge whose kernel is built instead of this
+    # package's: its include/ headers and its generated/<uri>.hip sources (registry.source_of);
+    # "" = this package's. Made by `on_tree`; in the key through those headers and sources.
+    tree: str = ""
+
+    @property
+    def include(self) -> Path:
+        """The include directory the kernels are compiled against."""
+        return Path(self.tree, "include") if self.tree else INCLUDE
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -68,14 +79,14 @@ class Toolchain:
         return ".s" if self.kind == "clang-hip" else ".so"
 
     def command(self, source: str, output: str) -> list[str]:
-        return [self.compiler, *self.flags, f"-I{INCLUDE}", "-o", output, source]
+        return [self.compiler, *self.flags, f"-I{self.include}", "-o", output, source]
 
     def host_check_command(self, source: str) -> list[str]:
         """clang-hip only: compile the host side of a source (the launcher) without output."""
         if self.kind != "clang-hip":
             raise ToolchainError(f"host_check_command is for the clang-hip check, not {self.kind}")
         return [self.compiler, *CLANG_HIP_HOST_FLAGS, f"--offload-arch={self.arch}",
-                f"--rocm-path={self.rocm_path}", *self._define_flags, f"-I{INCLUDE}", source]
+                f"--rocm-path={self.rocm_path}", *self._define_flags, f"-I{self.include}", source]
 
 
 PROBE_TIMEOUT = 60  # seconds a compiler's `--version` may take
@@ -172,6 +183,20 @@ def amd_check(arch: str, *, which: Callable[[str], Optional[str]] = shutil.which
     if not m:
         raise ToolchainError(f"cannot read the version of {compiler}")
     return Toolchain("clang-hip", compiler, m.group(1), arch, rocm)
+
+
+def on_tree(tc: Toolchain, root: str | Path) -> Toolchain:
+    """`tc` building the kernel of another checkout of kvforge at `root` (e.g. one made by
+    `git archive COMMIT | tar -x -C ROOT`): its include/ and generated/ instead of this
+    package's. The runtime (argument checks, launch, ABI) stays this one's: a library of
+    another ABI fails its load check (runtime/abi.py)."""
+    root = Path(root).resolve()
+    missing = [d for d in ("include/kvforge", "generated") if not (root / d).is_dir()]
+    if missing:
+        raise ToolchainError(f"{root} is no kvforge checkout: it has no "
+                             f"{' or '.join(d + '/' for d in missing)} (make one with "
+                             "`git archive COMMIT | tar -x -C DIR`)")
+    return replace(tc, tree=str(root))
 
 
 def _existing(p: Path) -> Optional[str]:

@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
-from benchmarks.ab import Case, parse_case, parse_sets, run_case
-from benchmarks.bench import ROOT, copy_same_bytes
-from kvforge.runtime import toolchain
+from benchmarks.ab import BuildSet, Case, parse_case, parse_sets, run_case, set_jobs
+from benchmarks.bench import CONFIGS, ROOT, TP, copy_same_bytes, find_variant
+from kvforge.runtime import build, toolchain
+from kvforge.runtime.registry import MissingSourceError, source_of
 from kvforge.runtime.tuning import Launch
 
 
@@ -42,19 +43,26 @@ def test_it_moves_every_byte_and_nothing_more():
 
 # ---- benchmarks/ab.py: builds that differ by definitions, timed side by side ----------
 @pytest.mark.parametrize("text,expected", [
-    ("base=", {"base": ()}),
-    ("base=;moved=KVF_X=1,KVF_Y", {"base": (), "moved": ("KVF_X=1", "KVF_Y")}),
-    (" a =KVF_A=-1;b=", {"a": ("KVF_A=-1",), "b": ()}),
+    ("base=", {"base": BuildSet()}),
+    ("base=;moved=KVF_X=1,KVF_Y", {"base": BuildSet(), "moved": BuildSet(("KVF_X=1", "KVF_Y"))}),
+    (" a =KVF_A=-1;b=", {"a": BuildSet(("KVF_A=-1",)), "b": BuildSet()}),
+    ("old=@.device/old;new=", {"old": BuildSet((), ".device/old"), "new": BuildSet()}),
+    ("old=@../old:KVF_X=1,KVF_Y;new=KVF_X=1", {"old": BuildSet(("KVF_X=1", "KVF_Y"), "../old"),
+                                               "new": BuildSet(("KVF_X=1",))}),
+    ("old=@/abs/old:", {"old": BuildSet((), "/abs/old")}),
 ])
-def test_ab_sets_name_their_definitions(text, expected):
+def test_ab_sets_name_their_definitions_and_trees(text, expected):
     assert parse_sets(text) == expected
 
 
 @pytest.mark.parametrize("text,message", [
-    ("base", "--sets: expected name=DEFINES, got 'base'"),
-    ("=KVF_X", "--sets: expected name=DEFINES, got '=KVF_X'"),
+    ("base", "--sets: expected name=DEFINES or name=@DIR[:DEFINES], got 'base'"),
+    ("=KVF_X", "--sets: expected name=DEFINES or name=@DIR[:DEFINES], got '=KVF_X'"),
     ("a=;a=KVF_X", "--sets: 'a' named twice"),
     ("a=1X,KVF_Y=2 3", "--sets: a: expected NAME or NAME=VALUE definitions, got ['1X', 'KVF_Y=2 3']"),
+    ("old=@", "--sets: old: expected @DIR[:DEFINES], got '@'"),
+    ("old=@:KVF_X", "--sets: old: expected @DIR[:DEFINES], got '@:KVF_X'"),
+    ("old=@d:1X", "--sets: old: expected NAME or NAME=VALUE definitions, got ['1X']"),
 ])
 def test_ab_sets_refuse_what_is_not_a_definition(text, message):
     with pytest.raises(ValueError) as e:
@@ -78,6 +86,30 @@ def test_ab_cases_take_a_config_tp_tokens_and_maybe_a_launch():
 def test_ab_cases_refuse_what_bench_does_not_run(text, message):
     with pytest.raises(ValueError, match="^--cases: " + re.escape(message)):
         parse_case(text)
+
+
+def test_ab_set_on_a_tree_builds_that_trees_sources_and_names_what_it_lacks(tmp_path):
+    """`old=@DIR:DEF`: the toolchain adds DEF and reads DIR's headers; each case's variant
+    is built once, from DIR/generated/; a case whose variant DIR lacks is refused, naming the
+    set, the case and the variant."""
+    base = toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_90", defines=("KVF_A=1",))
+    tree = tmp_path / "old"
+    (tree / "include" / "kvforge").mkdir(parents=True)
+    (tree / "generated").mkdir()
+    with pytest.raises(toolchain.ToolchainError, match="is no kvforge checkout: it has no include/kvforge/ or generated/ "):
+        BuildSet((), str(tmp_path)).toolchain_from(base)
+    tc = BuildSet(("KVF_X=1",), str(tree)).toolchain_from(base)
+    assert tc.defines == ("KVF_A=1", "KVF_X=1") and tc.tree == str(tree.resolve())
+    assert BuildSet(("KVF_X=1",)).toolchain_from(base) == toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_90",
+                                                                         defines=("KVF_A=1", "KVF_X=1"))
+    m3, fp8 = (find_variant(CONFIGS[c], TP[8][1]) for c in ("vllm_m3 bf16", "vllm_shuffle16 fp8"))
+    (tree / "generated" / f"{m3.uri}.hip").write_text("// old m3\n")
+    cases = {"m3:8:16": m3, "m3:8:1024": m3}
+    assert set_jobs("old", tc, cases) == [build.Job(m3.uri, "// old m3\n")]
+    assert set_jobs("new", base, cases) == [build.Job(m3.uri, source_of(m3))]
+    with pytest.raises(MissingSourceError, match=rf"^old: case fp8:8:16: {fp8.uri}: the tree {tc.tree} has no "
+                                                 rf"generated/{fp8.uri}.hip \(a variant that tree lacks"):
+        set_jobs("old", tc, {**cases, "fp8:8:16": fp8})
 
 
 @pytest.mark.gpu

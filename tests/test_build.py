@@ -197,11 +197,8 @@ def test_variants_compile_for_sm90(tier):
 
 def test_cache_key_covers_every_header():
     """A kernel-body edit must never load a binary built from the old body."""
-    from kvforge.codegen.paths import INCLUDE
-    from kvforge.codegen.render import kernel_sources
-
     headers = {p.relative_to(INCLUDE.parent).as_posix() for p in INCLUDE.rglob("*") if p.is_file()}
-    assert headers and headers <= set(kernel_sources())
+    assert headers and headers == set(build.headers(INCLUDE))
     assert "include/kvforge/fused_qknorm_rope_cache.cuh" in headers
 
 
@@ -264,3 +261,81 @@ def test_the_benchmarks_copy_builds_as_a_variant_does_and_is_a_dependent_launch(
                     str(COPY_SOURCE), "-o", str(ptx)], check=True, capture_output=True)
     text = ptx.read_text()
     assert "griddepcontrol.launch_dependents;" in text and "griddepcontrol.wait;" in text
+
+
+# ---- another checkout's kernel (toolchain.on_tree; benchmarks/ab.py's `name=@DIR`) -------
+def make_tree(root: Path, header_note: str = "") -> Path:
+    """A stand-in for `git archive COMMIT | tar -x -C root`: this checkout's include/ and
+    generated/, the main header with `header_note` appended (an older body, say)."""
+    shutil.copytree(INCLUDE, root / "include")
+    shutil.copytree(REPO / "generated", root / "generated")
+    if header_note:
+        with open(root / "include" / "kvforge" / "fused_qknorm_rope_cache.cuh", "a") as f:
+            f.write(header_note)
+    return root
+
+
+def test_a_toolchain_on_another_tree_compiles_against_its_headers(tmp_path):
+    tc = toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_90")
+    old = toolchain.on_tree(tc, make_tree(tmp_path / "old"))
+    assert old.tree == str((tmp_path / "old").resolve()) and old.include == Path(old.tree, "include")
+    assert tc.include == INCLUDE and f"-I{INCLUDE}" in tc.command("a.hip", "a.so")
+    assert f"-I{old.include}" in old.command("a.hip", "a.so") and f"-I{INCLUDE}" not in old.command("a.hip", "a.so")
+    amd = toolchain.Toolchain("clang-hip", "clang", "22", "gfx942", "/r")
+    assert f"-I{old.include}" in toolchain.on_tree(amd, old.tree).host_check_command("a.hip")
+    assert old != tc and len({old, tc}) == 2  # two toolchains to the registry
+
+
+def test_on_tree_refuses_what_is_no_checkout(tmp_path):
+    (tmp_path / "generated").mkdir()
+    with pytest.raises(toolchain.ToolchainError, match=r"is no kvforge checkout: it has no include/kvforge/ "
+                                                       r"\(make one with `git archive COMMIT"):
+        toolchain.on_tree(toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_90"), tmp_path)
+
+
+def test_the_cache_key_hashes_the_headers_of_the_toolchains_tree(tmp_path):
+    """An old tree's build and this checkout's of one source never share an entry; an edit
+    to a header of that tree makes a new one. The key is of contents: a tree whose headers
+    are this checkout's builds the same binary, and shares its entry."""
+    tc = toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_90")
+    same = toolchain.on_tree(tc, make_tree(tmp_path / "same"))
+    old = toolchain.on_tree(tc, make_tree(tmp_path / "old", "\n// an older body\n"))
+    key = build.cache_key("src", old)
+    assert key != build.cache_key("src", tc) and build.cache_key("src", same) == build.cache_key("src", tc)
+    (Path(old.include) / "kvforge" / "abi.h").write_text("// another ABI\n")
+    assert build.cache_key("src", old) not in (key, build.cache_key("src", tc))
+    (Path(old.include) / "kvforge" / "new.cuh").write_text("// a new header\n")
+    assert len({key, build.cache_key("src", old), build.cache_key("src", tc)}) == 3
+    job = build.Job("v", "src")
+    assert job.directory(old, tmp_path) != job.directory(tc, tmp_path)
+
+
+def test_the_registry_builds_the_trees_source_for_a_toolchain_on_it(tmp_path, monkeypatch):
+    """source_of and Registry.get with a toolchain on another tree take that tree's
+    generated/<uri>.hip, and keep its library apart from this checkout's; a variant the tree
+    lacks is refused, naming it and the tree."""
+    from kvforge.runtime.registry import MissingSourceError
+
+    tc = toolchain.Toolchain("nvcc", "nvcc", "13.0.88", "sm_90")
+    old = toolchain.on_tree(tc, make_tree(tmp_path / "old"))
+    v, gone = spec().variants[:2]
+    (Path(old.tree) / "generated" / f"{v.uri}.hip").write_text("// the old tree's source\n")
+    (Path(old.tree) / "generated" / f"{gone.uri}.hip").unlink()
+    assert source_of(v, old) == "// the old tree's source\n" and source_of(v, tc) == source_of(v)
+    built = []
+    monkeypatch.setattr(build, "build_and_load", lambda job, t, load: built.append((job, t)) or len(built))
+    registry = Registry()
+    assert (registry.get(v, old), registry.get(v, tc), registry.get(v, old)) == (1, 2, 1)
+    assert built == [(build.Job(v.uri, "// the old tree's source\n"), old), (build.Job(v.uri, source_of(v)), tc)]
+    with pytest.raises(MissingSourceError, match=f"^{gone.uri}: the tree {old.tree} has no generated/{gone.uri}.hip"):
+        registry.get(gone, old)
+
+
+@needs_nvcc
+def test_a_build_on_another_tree_compiles_that_trees_headers(nvcc_sm90, tmp_path):
+    """Through the JIT path: the tree's header is the one the compiler reads (an #error in
+    it stops the build, naming it), and this checkout's build of that variant is untouched."""
+    old = toolchain.on_tree(nvcc_sm90, make_tree(tmp_path / "old", "\n#error this is the old tree's header\n"))
+    v = spec().variants[0]
+    with pytest.raises(build.BuildError, match="this is the old tree's header"):
+        build.build(build.Job(v.uri, source_of(v, old)), old, tmp_path / "cache")
