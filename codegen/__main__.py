@@ -1,7 +1,8 @@
 """`python -m kvforge.codegen [generate|check|list|compile]`.
 
-generate (default)  regenerate generated/ from variants.yaml (write-if-different)
-check               exit 1 if generated/ is stale or a variants file is invalid
+generate (default)  regenerate generated/ from variants.yaml and include/kvforge/abi.h from
+                    codegen/signature.py (write-if-different)
+check               exit 1 if generated/ or abi.h is stale or a variants file is invalid
 list                print the variants (optionally filtered)
 compile             build every variant for the given targets (sm_XX with nvcc; gfxNNN
                     device code with clang's HIP mode) into the kernel cache, showing
@@ -25,8 +26,11 @@ import sys
 import time
 
 from .model import SpecError, Variant, lay_over, load_spec
-from .paths import VARIANTS_YAML, user_variant_files
+from .paths import PACKAGE, VARIANTS_YAML, user_variant_files
 from .render import generate, source_of
+from .signature import ABI_HEADER, write_abi_header
+
+_HEADER = ABI_HEADER.relative_to(PACKAGE).as_posix()
 
 
 def _select(variants, include: list[str], exclude: list[str]) -> list[Variant]:
@@ -118,29 +122,35 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(spec.families)} families, {len(spec.contracts)} contracts)", file=sys.stderr)
         return 0
     if args.command == "check":
+        header = write_abi_header(dry_run=True)
         report = generate(shipped, dry_run=True)
-        if report.stale:
+        if header or report.stale:
+            if header:
+                print(f"stale: {_HEADER}", file=sys.stderr)
             for name in report.written:
                 print(f"stale: generated/{name}", file=sys.stderr)
             for name in report.removed:
                 print(f"orphan: generated/{name}", file=sys.stderr)
-            print("generated/ is out of date: run `python -m kvforge.codegen`", file=sys.stderr)
+            what = " and ".join(["generated/"] * bool(report.stale) + [_HEADER] * header)
+            print(f"{what} {'are' if ' and ' in what else 'is'} out of date: run `python -m kvforge.codegen`",
+                  file=sys.stderr)
             return 1
-        print(f"generated/ is current ({len(shipped.variants)} variants)")
+        print(f"generated/ ({len(shipped.variants)} variants) and {_HEADER} are current")
         return 0
     if args.command == "compile":
         chosen = _select(spec.variants, args.filter, args.exclude)
-        stale = generate(shipped, dry_run=True).stale
-        if stale:
-            print("generated/ is out of date: run `python -m kvforge.codegen` first", file=sys.stderr)
+        if write_abi_header(dry_run=True) or generate(shipped, dry_run=True).stale:
+            print(f"generated/ or {_HEADER} is out of date: run `python -m kvforge.codegen` first", file=sys.stderr)
             return 1
         return _compile(chosen, [t.strip() for t in args.target.split(",") if t.strip()], args.jobs)
+    header = write_abi_header()  # first: every source's input hash covers the headers
     report = generate(shipped)
     sources = [[name for name in names if name.endswith(".hip")]
                for names in (report.written, report.unchanged, report.removed)]
     print(f"{len(shipped.variants)} variants: {len(sources[0])} sources written, "
           f"{len(sources[1])} unchanged, {len(sources[2])} removed"
-          + ("; manifest.json written" if "manifest.json" in report.written else ""))
+          + ("; manifest.json written" if "manifest.json" in report.written else "")
+          + (f"; {_HEADER} written" if header else ""))
     return 0
 
 

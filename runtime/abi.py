@@ -1,69 +1,44 @@
-"""ctypes mirror of include/kvforge/abi.h (checked against the library at load)."""
+"""ctypes mirror of include/kvforge/abi.h, built from the table both come from
+(codegen/signature.py); the loader checks the library's ABI version."""
 from __future__ import annotations
 
 import ctypes
-import re
 
-from kvforge.codegen.paths import INCLUDE
+from kvforge.codegen import signature
 
-MAX_DIMS = 8
-
-
-def _header_define(name: str) -> int:
-    text = (INCLUDE / "kvforge" / "abi.h").read_text()
-    return int(re.search(rf"#define {name} (\d+)", text).group(1))
-
-
-ABI_VERSION = _header_define("KVF_ABI_VERSION")
-MAX_PIPELINE_DEPTH = _header_define("KVF_MAX_PIPELINE_DEPTH")
-DEFAULT_PIPELINE_DEPTH = _header_define("KVF_DEFAULT_PIPELINE_DEPTH")
-MAX_TOKENS_PER_TILE = _header_define("KVF_MAX_TOKENS_PER_TILE")
+_DEFINES = {d.name: d.value for d in signature.DEFINES}
+ABI_VERSION = _DEFINES["KVF_ABI_VERSION"]
+MAX_PIPELINE_DEPTH = _DEFINES["KVF_MAX_PIPELINE_DEPTH"]
+DEFAULT_PIPELINE_DEPTH = _DEFINES["KVF_DEFAULT_PIPELINE_DEPTH"]
+MAX_TOKENS_PER_TILE = _DEFINES["KVF_MAX_TOKENS_PER_TILE"]
 TOKENS_PER_TILE = tuple(1 << i for i in range(MAX_TOKENS_PER_TILE.bit_length()))  # the tiles a library takes
-DEFAULT_TOKENS_PER_TILE = _header_define("KVF_DEFAULT_TOKENS_PER_TILE")
-V_LOOP_DEFAULT = _header_define("KVF_V_LOOP_DEFAULT")
-V_LOOP_OFF = _header_define("KVF_V_LOOP_OFF")
-V_LOOP_ON = _header_define("KVF_V_LOOP_ON")
-V_LOOP_MIN_TOKENS = _header_define("KVF_V_LOOP_MIN_TOKENS")
-MAX_LANES_PER_THREAD = _header_define("KVF_MAX_LANES_PER_THREAD")
-DEFAULT_LANES_PER_THREAD = _header_define("KVF_DEFAULT_LANES_PER_THREAD")
+DEFAULT_TOKENS_PER_TILE = _DEFINES["KVF_DEFAULT_TOKENS_PER_TILE"]
+V_LOOP_DEFAULT = _DEFINES["KVF_V_LOOP_DEFAULT"]
+V_LOOP_OFF = _DEFINES["KVF_V_LOOP_OFF"]
+V_LOOP_ON = _DEFINES["KVF_V_LOOP_ON"]
+V_LOOP_MIN_TOKENS = _DEFINES["KVF_V_LOOP_MIN_TOKENS"]
+MAX_LANES_PER_THREAD = _DEFINES["KVF_MAX_LANES_PER_THREAD"]
+DEFAULT_LANES_PER_THREAD = _DEFINES["KVF_DEFAULT_LANES_PER_THREAD"]
+
+_SCALARS = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
+
+
+def _ctype(f: signature.CField):
+    """The ctypes type of a field: every pointer is a c_void_p (an address is all Python sets)."""
+    if f.pointer:
+        return ctypes.c_void_p
+    if f.cache:
+        return CacheArg
+    base, _, extent = f.ctype.partition("[")
+    return _SCALARS[base] * _DEFINES[extent.rstrip("]")] if extent else _SCALARS[base]
 
 
 class CacheArg(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("capacity", ctypes.c_int64),
-                ("strides", ctypes.c_int64 * MAX_DIMS)]
+    _fields_ = [(f.name, _ctype(f)) for f in signature.CACHE_FIELDS]
 
 
 class Args(ctypes.Structure):
-    _fields_ = [
-        ("qkv", ctypes.c_void_p),
-        ("positions", ctypes.c_void_p),
-        ("cos_sin", ctypes.c_void_p),
-        ("slot_mapping", ctypes.c_void_p),
-        ("index_slot_mapping", ctypes.c_void_p),
-        ("q_norm_weight", ctypes.c_void_p),
-        ("k_norm_weight", ctypes.c_void_p),
-        ("index_q_norm_weight", ctypes.c_void_p),
-        ("index_k_norm_weight", ctypes.c_void_p),
-        ("k_scale", ctypes.c_void_p),
-        ("v_scale", ctypes.c_void_p),
-        ("q_out", ctypes.c_void_p),
-        ("index_q_out", ctypes.c_void_p),
-        ("k_cache", CacheArg),
-        ("v_cache", CacheArg),
-        ("index_cache", CacheArg),
-        ("qkv_row_stride", ctypes.c_int64),
-        ("max_pos", ctypes.c_int64),
-        ("num_slots", ctypes.c_int64),
-        ("num_index_slots", ctypes.c_int64),
-        ("num_tokens", ctypes.c_int32),
-        ("num_heads", ctypes.c_int32),
-        ("num_index_heads", ctypes.c_int32),
-        ("eps", ctypes.c_float),
-        ("pipeline_depth", ctypes.c_int32),
-        ("tokens_per_tile", ctypes.c_int32),
-        ("v_loop", ctypes.c_int32),
-        ("lanes_per_thread", ctypes.c_int32),
-    ]
+    _fields_ = [(f.name, _ctype(f)) for f in signature.args_fields()]
 
 
 class KernelLibrary:

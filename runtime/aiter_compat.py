@@ -1,8 +1,9 @@
 """Drop-in for AITER's `minimax_m3_qknorm_rope_cache_shuffle_insert` (same argument list).
 
-Semantics are SPEC §1-§3 with the `vllm_shuffle16` contract. As in vLLM, an FP8 cache
-may arrive as raw uint8 with `kv_cache_dtype` naming FP8; it is then read as the
-platform's flavour (e4m3fnuz on gfx942, e4m3fn elsewhere).
+Semantics are SPEC §1-§3 with the `vllm_shuffle16` contract and NeoX rotary pairs (AITER's
+op has no rotary-style argument). As in vLLM, an FP8 cache may arrive as raw uint8 with
+`kv_cache_dtype` naming FP8; it is then read as the platform's flavour (e4m3fnuz on
+gfx942, e4m3fn elsewhere).
 
 What AITER's op accepts is mapped onto the native call's rules (SPEC §7): it reads the
 first num_tokens entries of `positions`, `slot_mapping` and `index_slot_mapping` when

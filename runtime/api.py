@@ -20,6 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
+from kvforge.codegen import signature
+
 from . import dispatch, reference, tuning
 from .abi import Args, CacheArg
 from .registry import REGISTRY
@@ -37,7 +39,7 @@ class _Plan:
 
         self.lib = REGISTRY.get(variant)
         self.pages = {role: (access(variant, role).runtime_dim, access(variant, role).page_size)
-                      for role in ("k", "v", "index")}
+                      for _, role in _CACHES}
         self.variant, self.device_index = variant, device_index
 
     @functools.cached_property
@@ -50,20 +52,26 @@ class _Plan:
 
 _PLANS: dict = {}  # (variant, device index) -> _Plan
 
-# The op's arguments in order (the signature of `_impl`).
-_ARG_NAMES = ("qkv", "positions", "cos_sin_cache", "slot_mapping", "k_cache", "v_cache", "kv_cache",
-              "q_norm_weight", "k_norm_weight", "index_q_norm_weight", "index_k_norm_weight",
-              "index_cache", "index_slot_mapping", "k_scale", "v_scale", "q_out", "index_q_out",
-              "num_heads", "num_kv_heads", "num_index_heads", "rotary_dim", "eps", "contract",
-              "index_mode", "norm")
-# Args pointer fields and the Tensors attribute each comes from.
-_POINTERS = (("qkv", "qkv"), ("positions", "positions"), ("cos_sin", "cos_sin_cache"),
-             ("slot_mapping", "slot_mapping"), ("index_slot_mapping", "index_slot_mapping"),
-             ("q_norm_weight", "q_norm_weight"), ("k_norm_weight", "k_norm_weight"),
-             ("index_q_norm_weight", "index_q_norm_weight"),
-             ("index_k_norm_weight", "index_k_norm_weight"), ("k_scale", "k_scale"),
-             ("v_scale", "v_scale"), ("q_out", "q_out"), ("index_q_out", "index_q_out"))
-_CACHES = (("k_cache", "k"), ("v_cache", "v"), ("index_cache", "index"))
+# The op's arguments but its flags, in order: what validation reads and the signature table
+# keys on (codegen/signature.py).
+_ARG_NAMES = signature.CALL_NAMES
+# The fields of Args an argument fills: data pointers, caches (with the contract's cache each
+# is), scalars; each named as the argument (and the Tensors attribute) it comes from.
+_POINTERS = tuple((a.field.name, a.name) for a in signature.KERNEL_ARGS if a.field.pointer)
+_CACHES = tuple((a.name, a.role) for a in signature.KERNEL_ARGS if a.field.cache)
+_SCALARS = tuple(a.name for a in signature.KERNEL_ARGS if not a.field.pointer and not a.field.cache)
+# The fields no argument fills (signature.DERIVED and LAUNCH), from the validated tensors and the launch.
+_COMPUTED = {
+    "qkv_row_stride": lambda t, launch: t.qkv.stride(0),
+    "max_pos": lambda t, launch: t.cos_sin_cache.shape[0],
+    "num_slots": lambda t, launch: t.slot_mapping.numel(),
+    "num_index_slots": lambda t, launch: t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0,
+    "num_tokens": lambda t, launch: t.qkv.shape[0],
+    "pipeline_depth": lambda t, launch: launch.depth,
+    "tokens_per_tile": lambda t, launch: launch.tile,
+    "v_loop": lambda t, launch: launch.v_loop,
+    "lanes_per_thread": lambda t, launch: launch.lanes,
+}
 
 
 def _current_stream(device_index: int) -> int:
@@ -82,16 +90,12 @@ def _cache_arg(dst, cache: Optional[Tensor], dims: tuple[int, int]) -> None:
 
 def _args(plan: _Plan, t: reference.Tensors, launch: tuning.Launch) -> Args:
     ptr = lambda x: x.data_ptr() if x is not None else None  # noqa: E731
-    a = Args(qkv_row_stride=t.qkv.stride(0), max_pos=t.cos_sin_cache.shape[0],
-             num_slots=t.slot_mapping.numel(),
-             num_index_slots=t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0,
-             num_tokens=t.qkv.shape[0], num_heads=t.num_heads, num_index_heads=t.num_index_heads,
-             eps=t.eps, pipeline_depth=launch.depth, tokens_per_tile=launch.tile, v_loop=launch.v_loop,
-             lanes_per_thread=launch.lanes)
+    a = Args(**{name: getattr(t, name) for name in _SCALARS},
+             **{field: compute(t, launch) for field, compute in _COMPUTED.items()})
     for field, name in _POINTERS:
         setattr(a, field, ptr(getattr(t, name)))
-    for field, role in _CACHES:
-        _cache_arg(getattr(a, field), getattr(t, field), plan.pages[role])
+    for name, role in _CACHES:
+        _cache_arg(getattr(a, name), getattr(t, name), plan.pages[role])
     return a
 
 
@@ -128,7 +132,7 @@ def _bind(plan: _Plan, a: Args, t: reference.Tensors, argv: tuple) -> None:
 # the position of the parameter of that name.
 _POINTER_OFFSETS = tuple(
     (name, getattr(Args, field).offset, _ARG_NAMES.index(name)) for field, name in _POINTERS) + tuple(
-    (field, getattr(Args, field).offset + CacheArg.data.offset, _ARG_NAMES.index(field)) for field, _ in _CACHES)
+    (name, getattr(Args, name).offset + CacheArg.data.offset, _ARG_NAMES.index(name)) for name, _ in _CACHES)
 assert ctypes.sizeof(Args) % 8 == 0 and all(off % 8 == 0 for _, off, _ in _POINTER_OFFSETS)
 
 
@@ -155,8 +159,10 @@ def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **
         raise ValueError(f"launch_with: {'; '.join(bad)}")
     if kwargs.get("q_out") is None:
         raise ValueError("q_out: launch_with needs the outputs allocated")
-    params = inspect.signature(fused_qknorm_rope_cache).parameters
-    variant, t = check(**{name: kwargs.get(name, params[name].default) for name in _ARG_NAMES})
+    missing = [a.name for a in signature.CALL_ARGS if a.default is signature.REQUIRED and a.name not in kwargs]
+    if missing:
+        raise TypeError(f"launch_with: missing {', '.join(missing)}")
+    variant, t = check(**{a.name: kwargs.get(a.name, a.default) for a in signature.CALL_ARGS})
     bad = tuning.lanes_problem(variant, launch.lanes)
     if bad:
         raise ValueError(f"launch_with: {bad}")
@@ -165,19 +171,16 @@ def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **
     return functools.partial(_launch, lib.launch, a, device_index)
 
 
-def _impl(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, slot_mapping: Tensor,
-          k_cache: Optional[Tensor], v_cache: Optional[Tensor], kv_cache: Optional[Tensor],
-          q_norm_weight: Tensor, k_norm_weight: Tensor, index_q_norm_weight: Optional[Tensor],
-          index_k_norm_weight: Optional[Tensor], index_cache: Optional[Tensor],
-          index_slot_mapping: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],
-          q_out: Tensor, index_q_out: Optional[Tensor], num_heads: int, num_kv_heads: int,
-          num_index_heads: int, rotary_dim: int, eps: float, contract: str, index_mode: str,
-          norm: str, checked: bool) -> None:
-    argv = (qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
-            k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
-            k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads,
-            rotary_dim, eps, contract, index_mode, norm)
-    _run(argv, checked, False)
+def _impl(*args) -> None:
+    """The op: its arguments in codegen/signature.py's order (the argument vector, then
+    `checked`), as its schema (below) names them."""
+    _run(args[:-1], args[-1], False)
+
+
+# The schema torch.library reads: the table's arguments, typed as the op takes them.
+_impl.__signature__ = inspect.Signature(
+    [inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=a.annotation(Tensor))
+     for a in signature.ARGS], return_annotation=None)
 
 
 def _run(argv: tuple, checked: bool, force_reference: bool) -> None:
@@ -201,9 +204,7 @@ def _run(argv: tuple, checked: bool, force_reference: bool) -> None:
 
 
 _OP = "kvforge::fused_qknorm_rope_cache"
-_op = torch.library.custom_op(
-    _OP, mutates_args=("k_cache", "v_cache", "kv_cache", "index_cache", "q_out", "index_q_out"),
-)(_impl)
+_op = torch.library.custom_op(_OP, mutates_args=signature.MUTABLE)(_impl)
 
 
 _INDUCTOR_LOWERS_STORAGE_OFFSETS = False
@@ -282,10 +283,11 @@ def fused_qknorm_rope_cache(
     index_q_out: Optional[Tensor] = None,
     index_mode: str = "full",
     norm: str = "gemma",
+    rope: str = "neox",
     checked: bool = False,
     _reference: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """QK RMSNorm + partial NeoX RoPE + KV-cache and index-cache insert, in one launch.
+    """QK RMSNorm + partial RoPE + KV-cache and index-cache insert, in one launch.
 
     Returns (q_out, index_q_out); index_q_out is None unless index_mode is 'full'.
     Outputs not passed in are allocated (index_q_out in the index cache's dtype).
@@ -306,10 +308,11 @@ def fused_qknorm_rope_cache(
         raise
     if type(eps) is not float and isinstance(eps, (int, float)) and not isinstance(eps, bool):
         eps = float(eps)  # the op's schema takes a float (validation rejects other types)
-    args = (qkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, kv_cache, q_norm_weight,
-            k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, index_slot_mapping,
-            k_scale, v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim,
-            eps, contract, index_mode, norm, checked)
+    # The op's arguments in codegen/signature.py's order (tests/test_signature.py checks it).
+    args = (qkv, positions, cos_sin_cache, slot_mapping, index_slot_mapping, k_cache, v_cache, kv_cache,
+            q_norm_weight, k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, k_scale,
+            v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim, eps, contract,
+            index_mode, norm, rope, checked)
     if _reference:
         _run(args[:-1], checked, True)
     elif torch.compiler.is_compiling():

@@ -10,6 +10,29 @@ builder (10-20 s, cached under KVFORGE_CACHE_DIR): Python needs ~1 µs per tenso
 to read its metadata on the H200's host, most of a call's overhead. Where it cannot be
 built (no host compiler or Python headers) a Python table with the same contract is
 used, with a warning. KVFORGE_HOST_DISPATCH=python selects the Python table.
+
+Neither table knows the op's arguments: runtime/api.py hands them the argument vector in
+codegen/signature.py's order (CALL_NAMES) and, per data pointer, the word of Args it goes
+to and the argument it comes from, both derived from that table's ABI fields. An argument
+added there reaches the tables with no edit here.
+
+Why a table of calls validated before, not one validating C entry point per library:
+such an entry point would validate every call in C (a new token count, which misses the
+table today and is validated in Python once, would not), but
+* it cannot be plain C fed from Python: reading a tensor's metadata in Python is the
+  ~1 µs per tensor this module exists to avoid, so the metadata must still be read by a
+  module built against libtorch (this one), which would pass per-tensor descriptors to
+  the library's check;
+* linking the kernel libraries against libtorch instead would tie every library to one
+  torch build (its cache key, and a rebuild of every variant per torch), add torch's
+  headers to every nvcc/hipcc compile, and end the libraries' plain C ABI;
+* the variant is chosen by the signature (dtypes, head dim, options, layouts), so a call
+  still needs a lookup from its signature to a library: this table, less its memo;
+* SPEC §7's rules would exist twice (each rule in generated C and in validate.py, which
+  keeps the messages), kept equal by running both over tests/test_bad_inputs.py's rows,
+  as dispatch.cpp and PythonTable are kept equal today.
+What it would save per call (the table's hash of the key against a check of the same
+properties) is unmeasured: no GPU host was at hand to measure either path.
 """
 from __future__ import annotations
 

@@ -6,13 +6,14 @@ index tensors), so a new layout in variants.yaml is covered here as well.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 from typing import Optional
 
 import torch
 
 from kvforge.codegen.layout import CacheAccess, access, lane_dims
 from kvforge.codegen.model import Fp8, IndexMode, KvScale, Norm, Saturation, Variant
+from kvforge.codegen.signature import KERNEL_ARGS
 
 FP8_DTYPES = {Fp8.E4M3FN: torch.float8_e4m3fn, Fp8.E4M3FNUZ: torch.float8_e4m3fnuz}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -81,29 +82,9 @@ def rope(n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rotary
     return torch.cat([fma(a, c, -(b * s)), fma(b, c, a * s), n[..., rotary_dim:]], dim=-1)
 
 
-@dataclass
-class Tensors:
-    """The op's tensors after validation (None where the variant does not use one)."""
-
-    qkv: torch.Tensor
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-    index_slot_mapping: Optional[torch.Tensor]
-    q_norm_weight: torch.Tensor
-    k_norm_weight: torch.Tensor
-    index_q_norm_weight: Optional[torch.Tensor]
-    index_k_norm_weight: Optional[torch.Tensor]
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    index_cache: Optional[torch.Tensor]
-    k_scale: Optional[torch.Tensor]
-    v_scale: Optional[torch.Tensor]
-    q_out: torch.Tensor
-    index_q_out: Optional[torch.Tensor]
-    num_heads: int
-    num_index_heads: int
-    eps: float
+# The op's arguments the kernel reads (those with a field of kvf_args_t) after validation, by
+# name: None where the call does not use one (codegen/signature.py).
+Tensors = make_dataclass("Tensors", [(a.name, a.annotation(torch.Tensor)) for a in KERNEL_ARGS], frozen=True)
 
 
 def write_slots(acc: CacheAccess, cache: torch.Tensor, slots: torch.Tensor,

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from kvforge.codegen import signature
 from kvforge.codegen.layout import access
 from kvforge.codegen.model import IndexMode, KvScale, Variant
 
@@ -127,8 +128,8 @@ def make_inputs(v: Variant, num_tokens: int, num_heads: int, num_index_heads: in
     args = dict(
         qkv=qkv, positions=positions, cos_sin_cache=table, slot_mapping=sm,
         q_norm_weight=weight(), k_norm_weight=weight(), num_heads=num_heads, num_kv_heads=nkv,
-        rotary_dim=v.rotary_dim, contract=v.contract.name, eps=1e-6,
-        index_mode=v.index_mode.value, norm=v.norm.value, num_index_heads=num_index_heads,
+        rotary_dim=v.rotary_dim, eps=1e-6, num_index_heads=num_index_heads,
+        **{a.name: v.axes()[a.axis] for a in signature.ARGS if a.kind is signature.Kind.CHOICE},  # contract, options
     )
     if v.contract.combined_kv:
         args["kv_cache"] = make_cache(v, "k", kv_pages, kv_dtype, "cpu", page_stride_pad)
@@ -154,7 +155,7 @@ def make_inputs(v: Variant, num_tokens: int, num_heads: int, num_index_heads: in
     return {k: (val.to(device) if isinstance(val, torch.Tensor) else val) for k, val in args.items()}
 
 
-MUTABLE = ("k_cache", "v_cache", "kv_cache", "index_cache", "q_out", "index_q_out")
+MUTABLE = signature.MUTABLE  # the arguments the op writes
 
 
 def v_loop_tokens(v: Variant, items: int, device=0) -> int:

@@ -11,17 +11,20 @@ slot_mapping shorter than qkv, empty included (tokens past it write no cache); a
 scale (per tensor). What is not: an empty cache, norm weight, cos_sin_cache or scale,
 non-positive head counts, and any argument that means nothing for the call (a scale for
 a model-dtype cache, index tensors in 'skip' or 'none' mode, index heads in 'none' mode,
-kv_cache for a two-tensor contract, k_cache/v_cache for a one-tensor one).
+kv_cache for a two-tensor contract, k_cache/v_cache for a one-tensor one). The arguments,
+and which calls use each, are codegen/signature.py's table.
 """
 from __future__ import annotations
 
+import collections
 import math
 from typing import Optional
 
 import torch
 
 from kvforge.codegen.layout import VEC, access
-from kvforge.codegen.model import IndexMode, IndexSlots, Norm, PointError, Variant, make_variant
+from kvforge.codegen.model import IndexMode, IndexSlots, PointError, Variant, make_variant
+from kvforge.codegen.signature import CALL_ARGS, CALL_NAMES, KERNEL_ARGS, Arg, Kind, Use
 
 from .reference import FP8_DTYPES, Tensors
 from .registry import spec
@@ -82,7 +85,7 @@ def _int(name: str, val, least: int, what: str) -> int:
 
 
 def _choice(name: str, val, enum):
-    """A str axis value (index_mode, norm) parsed into its enum."""
+    """An option (index_mode, norm, rope: a str naming an axis value) parsed into its enum."""
     if not isinstance(val, str):
         choices = ", ".join(repr(m.value) for m in enum)
         raise TypeError(f"{name}: expected one of {choices} (a str), got {_given(val)}")
@@ -194,35 +197,40 @@ def _cache(v: Variant, role: str, name: str, t: torch.Tensor) -> None:
     _aligned(name, t)
 
 
-# The argument an axis of the signature is read from (an unsupported signature names it).
-_AXIS_ARGUMENT = {"contract": "contract", "dtype": "qkv", "head_dim": "q_norm_weight",
-                  "rotary_dim": "rotary_dim", "num_kv_heads": "num_kv_heads", "cos_sin": "cos_sin_cache",
-                  "norm": "norm", "index_mode": "index_mode", "index_dtype": "index_cache",
-                  "kv_scale": "k_scale"}
-_INDEX_ARGS = ("index_q_norm_weight", "index_k_norm_weight", "index_cache", "index_slot_mapping",
-               "index_q_out")
+# The argument an axis of the signature is read from (an unsupported signature names it; the
+# FP8 flavour is read from the KV cache, whichever argument holds it).
+_AXIS_ARGUMENT = {a.axis: a.name for a in CALL_ARGS if a.axis}
+_USED = {use: tuple(a for a in CALL_ARGS if a.use is use) for use in Use}
+_CHOICES = tuple(a for a in CALL_ARGS if a.choices)  # options whose values are an axis's
+_OUTPUTS = tuple(a for a in CALL_ARGS if a.kind is Kind.OUTPUT)
 _NO_INDEX = {IndexMode.SKIP: "index_mode 'skip' reads and writes nothing index-related",
              IndexMode.NONE: "index_mode 'none' has no index branch"}
+# The validated arguments by name; a call missing one or naming another is a TypeError.
+_Call = collections.namedtuple("_Call", CALL_NAMES)
 
 
-def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_cache, slot_mapping,
-          k_cache, v_cache, kv_cache, q_norm_weight, k_norm_weight, index_q_norm_weight,
-          index_k_norm_weight, index_cache, index_slot_mapping, num_heads: int, num_kv_heads: int,
-          num_index_heads: int, rotary_dim: int, eps: float, k_scale, v_scale, q_out, index_q_out,
-          outputs: bool = True) -> tuple[Variant, Tensors]:
-    """Every argument checked (with `outputs=False` all but q_out and index_q_out: where the
-    public function could not allocate them, which argument is to blame)."""
+def _required(use: Use) -> tuple[Arg, ...]:
+    """The inputs and caches a call that has `use` must pass (outputs are checked last)."""
+    return tuple(a for a in _USED[use] if not a.optional and a.kind is not Kind.OUTPUT)
+
+
+def check(*, outputs: bool = True, **given) -> tuple[Variant, Tensors]:
+    """Every argument of codegen/signature.py's CALL_ARGS checked, passed by name (with
+    `outputs=False` all but the outputs: where the public function could not allocate them,
+    which argument is to blame)."""
+    a = _Call(**given)
     contracts = spec().contracts
     names = ", ".join(sorted(contracts))
-    if not isinstance(contract, str):
-        raise TypeError(f"contract: expected one of {names} (a str), got {_given(contract)}")
-    if contract not in contracts:
-        raise ValueError(f"contract: expected one of {names}, got {contract!r}")
-    c = contracts[contract]
-    mode = _choice("index_mode", index_mode, IndexMode)
-    _choice("norm", norm, Norm)
+    if not isinstance(a.contract, str):
+        raise TypeError(f"contract: expected one of {names} (a str), got {_given(a.contract)}")
+    if a.contract not in contracts:
+        raise ValueError(f"contract: expected one of {names}, got {a.contract!r}")
+    c = contracts[a.contract]
+    choice = {x.name: _choice(x.name, getattr(a, x.name), x.choices) for x in _CHOICES}
+    mode = choice["index_mode"]
 
     # Scalars first: the shapes below are read through them.
+    num_heads, num_kv_heads, num_index_heads = a.num_heads, a.num_kv_heads, a.num_index_heads
     _int("num_heads", num_heads, 1, "a positive integer")
     _int("num_kv_heads", num_kv_heads, 1, "a positive integer")
     if mode is IndexMode.FULL:
@@ -233,6 +241,7 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
         none = "0 (index_mode 'none': rows hold no index heads)"
         if _int("num_index_heads", num_index_heads, 0, none) != 0:
             raise ValueError(f"num_index_heads: expected {none}, got {num_index_heads}")
+    rotary_dim, eps = a.rotary_dim, a.eps
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
         raise TypeError(f"rotary_dim: expected an even number in [2, head_dim], got {_given(rotary_dim)}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
@@ -240,7 +249,7 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
     if not 0 < eps < math.inf:
         raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
 
-    _tensor("qkv", qkv)
+    qkv = _tensor("qkv", a.qkv)
     device = qkv.device
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"qkv: expected a tensor on a GPU (cuda) or on the cpu, got {device}")
@@ -253,6 +262,7 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
     T = qkv.shape[0]  # 0 is a legal call that computes and writes nothing
 
     # head_dim: the size of the q and k norm weights, whose heads fill the qkv row.
+    q_norm_weight, k_norm_weight = a.q_norm_weight, a.k_norm_weight
     D = _head_dim("q_norm_weight", q_norm_weight, device, qkv.dtype)
     Dk = _head_dim("k_norm_weight", k_norm_weight, device, qkv.dtype)
     row_heads = num_heads + 2 * num_kv_heads + (num_index_heads + 1 if mode is not IndexMode.NONE else 0)
@@ -274,13 +284,13 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > D:
         raise ValueError(f"rotary_dim: expected an even number in [2, head_dim={D}], got {rotary_dim}")
 
-    _tensor("positions", positions, device=device)
+    positions = _tensor("positions", a.positions, device=device)
     _dtype("positions", positions, (torch.int64,))
     _rank("positions", positions, 1, "[num_tokens]")
     _contiguous("positions", positions)
     if positions.numel() != T:
         raise ValueError(f"positions: expected {T} entries (one per qkv row), got {positions.numel()}")
-    _tensor("cos_sin_cache", cos_sin_cache, device=device)
+    cos_sin_cache = _tensor("cos_sin_cache", a.cos_sin_cache, device=device)
     _dtype("cos_sin_cache", cos_sin_cache, tuple(COS_SIN_DTYPES))
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != rotary_dim:
         raise ValueError(f"cos_sin_cache: expected shape [max_pos, rotary_dim={rotary_dim}], got {_shape(cos_sin_cache)}")
@@ -289,20 +299,23 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
                          f"{_shape(cos_sin_cache)}")
     _contiguous("cos_sin_cache", cos_sin_cache)
     _aligned("cos_sin_cache", cos_sin_cache)
-    _slots("slot_mapping", slot_mapping, device, T)  # shorter: tokens past it write no cache
+    slot_mapping = _slots("slot_mapping", a.slot_mapping, device, T)  # shorter: tokens past it write no cache
 
-    # K/V caches: one combined tensor or two, as the contract says.
+    # K/V caches: one combined tensor or two, as the contract says; the kernel gets K and V.
     if c.combined_kv:
-        why = f"contract {contract} stores K and V in one tensor"
-        _absent("k_cache", k_cache, f"{why}, kv_cache")
-        _absent("v_cache", v_cache, f"{why}, kv_cache")
-        k_cache = v_cache = _present("kv_cache", kv_cache, why, device)
+        why, kept, dropped = f"contract {a.contract} stores K and V in one tensor", Use.KV_TOGETHER, Use.KV_APART
+    else:
+        why, kept, dropped = f"contract {a.contract} keeps K and V in two tensors", Use.KV_APART, Use.KV_TOGETHER
+    instead = " and ".join(x.name for x in _USED[kept])
+    for x in _USED[dropped]:
+        _absent(x.name, getattr(a, x.name), f"{why}, {instead}")
+    for x in _required(kept):
+        _present(x.name, getattr(a, x.name), why, device)
+    if c.combined_kv:
+        k_cache = v_cache = a.kv_cache
         k_name = v_name = "kv_cache"
     else:
-        why = f"contract {contract} keeps K and V in two tensors"
-        _absent("kv_cache", kv_cache, f"{why}, k_cache and v_cache")
-        _present("k_cache", k_cache, why, device)
-        _present("v_cache", v_cache, why, device)
+        k_cache, v_cache = a.k_cache, a.v_cache
         k_name, v_name = "k_cache", "v_cache"
     _dtype(k_name, k_cache, (qkv.dtype, *FP8_NAMES))
     if v_cache.dtype != k_cache.dtype:
@@ -310,17 +323,16 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
                         f"got {_dt(v_cache.dtype)}")
 
     full = mode is IndexMode.FULL
+    index_cache, index_slot_mapping, index_q_out = a.index_cache, a.index_slot_mapping, a.index_q_out
     if full:
-        why = "required with index_mode 'full'"
-        _present("index_q_norm_weight", index_q_norm_weight, why, device)
-        _present("index_k_norm_weight", index_k_norm_weight, why, device)
-        _present("index_cache", index_cache, why, device)
-        _weight("index_q_norm_weight", index_q_norm_weight, device, qkv.dtype, D)
-        _weight("index_k_norm_weight", index_k_norm_weight, device, qkv.dtype, D)
+        for x in _required(Use.INDEX):
+            _present(x.name, getattr(a, x.name), "required with index_mode 'full'", device)
+        _weight("index_q_norm_weight", a.index_q_norm_weight, device, qkv.dtype, D)
+        _weight("index_k_norm_weight", a.index_k_norm_weight, device, qkv.dtype, D)
         _dtype("index_cache", index_cache, (qkv.dtype, *FP8_NAMES))
         if index_slot_mapping is None:
             if c.index_slots is IndexSlots.OWN:
-                raise ValueError(f"index_slot_mapping: expected a tensor (contract {contract} has its own "
+                raise ValueError(f"index_slot_mapping: expected a tensor (contract {a.contract} has its own "
                                  f"index slots), got None")
             index_slot_mapping = slot_mapping
         _slots("index_slot_mapping", index_slot_mapping, device, T)
@@ -330,26 +342,24 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
                 raise TypeError(f"index_q_out: expected dtype {_dt(index_cache.dtype)} (the dtype of "
                                 f"index_cache), got {_dt(index_q_out.dtype)}")
     else:
-        for name, val in zip(_INDEX_ARGS, (index_q_norm_weight, index_k_norm_weight, index_cache,
-                                           index_slot_mapping, index_q_out)):
-            _absent(name, val, _NO_INDEX[mode])
+        for x in _USED[Use.INDEX]:
+            _absent(x.name, getattr(a, x.name), _NO_INDEX[mode])
     fp8 = _fp8_flavour([(k_name, k_cache), ("index_cache", index_cache)])
     if k_cache.dtype in FP8_NAMES:
-        ks = _scale_kind("k_scale", k_scale, device, num_kv_heads)
-        vs = _scale_kind("v_scale", v_scale, device, num_kv_heads)
+        ks = _scale_kind("k_scale", a.k_scale, device, num_kv_heads)
+        vs = _scale_kind("v_scale", a.v_scale, device, num_kv_heads)
         if ks != vs:
             raise ValueError(f"v_scale: expected the granularity of k_scale ({ks}), got {vs}")
         kv_scale = ks
     else:
-        why = f"{k_name} is {_dt(k_cache.dtype)}: a model-dtype cache takes no scale"
-        _absent("k_scale", k_scale, why)
-        _absent("v_scale", v_scale, why)
+        for x in _USED[Use.KV_FP8]:
+            _absent(x.name, getattr(a, x.name), f"{k_name} is {_dt(k_cache.dtype)}: a model-dtype cache takes no scale")
         kv_scale = "none"
 
     point = {
-        "contract": contract, "dtype": MODEL_DTYPES[qkv.dtype], "head_dim": D, "rotary_dim": rotary_dim,
-        "num_kv_heads": num_kv_heads, "cos_sin": COS_SIN_DTYPES[cos_sin_cache.dtype], "norm": norm,
-        "index_mode": mode.value,
+        "dtype": MODEL_DTYPES[qkv.dtype], "head_dim": D, "rotary_dim": rotary_dim, "num_kv_heads": num_kv_heads,
+        "cos_sin": COS_SIN_DTYPES[cos_sin_cache.dtype], "contract": a.contract,
+        **{x.axis: choice[x.name].value for x in _CHOICES},
         "index_dtype": "fp8" if full and index_cache.dtype in FP8_NAMES else "model",
         "kv_scale": kv_scale, "fp8": fp8 or "e4m3fn",
     }
@@ -367,30 +377,30 @@ def check(*, contract: str, index_mode: str, norm: str, qkv, positions, cos_sin_
         _cache(variant, "v", v_name, v_cache)
     if full:
         _cache(variant, "index", "index_cache", index_cache)
-    for name, out, heads, dtypes in (("q_out", q_out, num_heads, (qkv.dtype,)),
-                                     ("index_q_out", index_q_out if full else None, num_index_heads,
-                                      (index_cache.dtype if full else None,))) if outputs else ():
-        if out is None and (name == "q_out" or full):
-            # the public function allocates it; the op itself (torch.ops) needs it passed
-            raise ValueError(f"{name}: expected a tensor (an output the kernel writes; "
-                             f"fused_qknorm_rope_cache allocates it when not passed), got None")
-        if out is None:
+    # What each output holds: its heads and dtype.
+    held = {"q_out": (num_heads, qkv.dtype), "index_q_out": (num_index_heads, index_cache.dtype if full else None)}
+    used = {Use.ALWAYS: True, Use.INDEX: full}  # (the uses an output has)
+    for x in _OUTPUTS if outputs else ():
+        out = getattr(a, x.name)
+        if not used[x.use]:
             continue
-        _tensor(name, out, device=device)
-        _dtype(name, out, dtypes)
+        if out is None:
+            # the public function allocates it; the op itself (torch.ops) needs it passed
+            raise ValueError(f"{x.name}: expected a tensor (an output the kernel writes; "
+                             f"fused_qknorm_rope_cache allocates it when not passed), got None")
+        heads, dtype = held[x.name]
+        _tensor(x.name, out, device=device)
+        _dtype(x.name, out, (dtype,))
         if out.shape not in ((T, heads, D), (T, heads * D)):
-            raise ValueError(f"{name}: expected shape ({T}, {heads}, {D}) or ({T}, {heads * D}), "
+            raise ValueError(f"{x.name}: expected shape ({T}, {heads}, {D}) or ({T}, {heads * D}), "
                              f"got {_shape(out)}")
-        _contiguous(name, out)
-        _aligned(name, out)
-    tensors = Tensors(
-        qkv=qkv, positions=positions, cos_sin_cache=cos_sin_cache, slot_mapping=slot_mapping,
-        index_slot_mapping=index_slot_mapping if full else None, q_norm_weight=q_norm_weight,
-        k_norm_weight=k_norm_weight, index_q_norm_weight=index_q_norm_weight if full else None,
-        index_k_norm_weight=index_k_norm_weight if full else None, k_cache=k_cache, v_cache=v_cache,
-        index_cache=index_cache if full else None, k_scale=k_scale, v_scale=v_scale, q_out=q_out,
-        index_q_out=index_q_out if full else None, num_heads=num_heads,
-        num_index_heads=num_index_heads if full else 0, eps=float(eps))
+        _contiguous(x.name, out)
+        _aligned(x.name, out)
+    # The kernel's tensors: kv_cache as K and V, the index slots shared where the contract
+    # says so, no index heads outside index_mode 'full'.
+    tensors = Tensors(**{**{x.name: getattr(a, x.name) for x in KERNEL_ARGS},
+                         "k_cache": k_cache, "v_cache": v_cache, "index_slot_mapping": index_slot_mapping,
+                         "num_index_heads": num_index_heads if full else 0, "eps": float(eps)})
     return variant, tensors
 
 

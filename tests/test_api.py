@@ -4,6 +4,7 @@ import inspect
 import pytest
 import torch
 
+from kvforge.codegen.signature import CALL_ARGS, CALL_NAMES, Kind
 from kvforge.runtime import fused_qknorm_rope_cache, minimax_m3_qknorm_rope_cache_shuffle_insert
 from kvforge.runtime.registry import spec
 from kvforge.runtime.testing import MUTABLE, make_inputs, with_outputs
@@ -26,6 +27,11 @@ SGLANG = variant(contract="sglang_nhd", num_kv_heads=4, kv_scale="unit", index_d
 
 def seed_args(v=SEED, tokens=6, **kw):
     return with_outputs(make_inputs(v, tokens, 4, 2, seed=11, **kw))
+
+
+def argv_of(args):
+    """The op's argument vector of a call's keyword arguments (the table's defaults where absent)."""
+    return tuple(args.get(a.name, a.default) for a in CALL_ARGS)
 
 
 def snapshot(args):
@@ -60,9 +66,7 @@ def test_runs_on_cpu_and_returns_outputs():
 def test_signature_is_read_from_the_tensors():
     args = seed_args(SEED_FP8)
     assert args["k_cache"].dtype == torch.float8_e4m3fnuz
-    v, _ = check(**{k: args.get(k) for k in inspect.signature(check).parameters if k not in (
-        "contract", "index_mode", "norm", "kv_cache", "outputs")}, contract="vllm_shuffle16", index_mode="full",
-        norm="gemma", kv_cache=None)
+    v, _ = check(**{a.name: args.get(a.name) for a in CALL_ARGS})
     assert v == SEED_FP8
 
 
@@ -188,11 +192,12 @@ _TENSORS = st.sampled_from([None, 3, 2.5, "x", torch.zeros(3), torch.zeros(5, dt
 @given(st.sampled_from(range(len(_FUZZ_BASES))), st.sampled_from(_FUZZ_KEYS), st.data())
 def test_any_bad_argument_is_rejected_cleanly(base, key, data):
     args = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in _FUZZ_BASES[base].items()}
-    if key in ("num_heads", "num_kv_heads", "num_index_heads", "rotary_dim"):
+    kind = next(a.kind for a in CALL_ARGS if a.name == key)
+    if kind is Kind.INT:
         args[key] = data.draw(_INTS)
-    elif key == "eps":
+    elif kind is Kind.FLOAT:
         args[key] = data.draw(st.sampled_from([0.0, -1.0, None, "x", float("nan")]))
-    elif key in ("contract", "index_mode", "norm"):
+    elif kind is Kind.CHOICE:
         args[key] = data.draw(st.sampled_from(["", "x", None, 3]))
     else:
         args[key] = data.draw(_TENSORS)
@@ -214,34 +219,28 @@ def test_a_bound_call_takes_each_pointer_from_its_own_parameter(monkeypatch):
 
     args = seed_args(SEED_FP8)
     args.update(v_scale=args["k_scale"], k_norm_weight=args["q_norm_weight"])
-    defaults = {"eps": 1e-6, "index_mode": "full", "norm": "gemma"}
-    argv = tuple(args.get(n, defaults.get(n)) for n in api._ARG_NAMES)
-    _, t = check(**dict(zip(api._ARG_NAMES, argv)))
+    argv = argv_of(args)
+    _, t = check(**dict(zip(CALL_NAMES, argv)))
     bound = {}
     monkeypatch.setattr(dispatch, "bind", lambda argv, template, slots, *rest: bound.update(slots))
     api._bind(types.SimpleNamespace(lib=types.SimpleNamespace(launch_address=0, check=None)), Args(), t, argv)
     for name in ("k_scale", "v_scale", "q_norm_weight", "k_norm_weight"):
-        assert bound[getattr(Args, name).offset // 8] == api._ARG_NAMES.index(name), name
+        assert bound[getattr(Args, name).offset // 8] == CALL_NAMES.index(name), name
 
 
 def test_the_op_itself_needs_its_outputs_passed():
     """The public function allocates q_out / index_q_out; the op (torch.ops.kvforge, whose
     schema makes index_q_out optional) and validation refuse a missing one, writing nothing."""
-    from kvforge.runtime.api import _ARG_NAMES
-
     args = seed_args()
-    defaults = {"eps": 1e-6, "index_mode": "full", "norm": "gemma", "kv_cache": None}
     call = dict(args, index_q_out=None)
     snap = snapshot(call)
     required = (r": expected a tensor \(an output the kernel writes; fused_qknorm_rope_cache allocates it when "
                 r"not passed\), got None$")
     with pytest.raises(ValueError, match="^index_q_out" + required):
-        torch.ops.kvforge.fused_qknorm_rope_cache(
-            *[call.get(n, defaults.get(n)) for n in _ARG_NAMES], False)
+        torch.ops.kvforge.fused_qknorm_rope_cache(*argv_of(call), False)
     assert_untouched(call, snap)
-    names = [n for n in inspect.signature(check).parameters if n != "outputs"]
     with pytest.raises(ValueError, match="^q_out" + required):
-        check(**{n: dict(args, q_out=None).get(n, defaults.get(n)) for n in names})
+        check(**{a.name: v for a, v in zip(CALL_ARGS, argv_of(dict(args, q_out=None)))})
 
 
 def test_a_tensor_without_a_data_pointer_gets_a_validation_error():

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from kvforge.codegen.layout import access
-from kvforge.codegen.model import IndexMode, Norm
+from kvforge.codegen.model import IndexMode, Norm, Rope
 from kvforge.runtime import fused_qknorm_rope_cache, minimax_m3_qknorm_rope_cache_shuffle_insert
 from kvforge.runtime.registry import spec
 from kvforge.runtime.testing import make_inputs, with_outputs
@@ -45,13 +45,13 @@ def variant(**axes):
 
 VARIANTS = {
     "shuffle": variant(contract="vllm_shuffle16", index_mode="full", num_kv_heads=4, kv_scale="none",
-                       index_dtype="model", head_dim=128, rotary_dim=64, dtype="bf16", norm="gemma"),
+                       index_dtype="model", head_dim=128, rotary_dim=64, dtype="bf16", norm="gemma", rope="neox"),
     "shuffle_fp8": variant(contract="vllm_shuffle16", index_mode="full", num_kv_heads=4,
                            kv_scale="per_tensor", index_dtype="fp8", fp8="e4m3fnuz", head_dim=128),
     "sglang": variant(contract="sglang_nhd", num_kv_heads=4, kv_scale="unit", index_dtype="model",
                       cos_sin="fp32"),
     "nhd": variant(contract="vllm_nhd", num_kv_heads=4, kv_scale="per_head", index_dtype="fp8"),
-    "m3": variant(contract="vllm_m3", num_kv_heads=4, kv_scale="none", index_dtype="model"),
+    "m3": variant(contract="vllm_m3", num_kv_heads=4, kv_scale="none", index_dtype="model", rotary_dim=64),
     "skip": variant(contract="vllm_shuffle16", index_mode="skip", num_kv_heads=4, kv_scale="none"),
     "none": variant(contract="vllm_shuffle16", index_mode="none", num_kv_heads=4, kv_scale="none"),
 }
@@ -120,6 +120,7 @@ def _with_head_dim(d: int) -> Callable[[dict], dict]:
 META = torch.device("meta")
 CONTRACTS = ", ".join(sorted(SPEC.contracts))
 NORMS = ", ".join(repr(n.value) for n in Norm)
+ROPES = ", ".join(repr(r.value) for r in Rope)
 MODES = ", ".join(repr(m.value) for m in IndexMode)
 KV_DTYPES = "dtype bfloat16, float8_e4m3fn, float8_e4m3fnuz"
 SHUFFLE, SGLANG = VARIANTS["shuffle"].contract, VARIANTS["sglang"].contract
@@ -209,6 +210,8 @@ ROWS = [
         index_mode="none"),
     row("norm-unknown", "shuffle", ValueError, "norm", expect(X(f"one of {NORMS}"), "'layer'"), norm="layer"),
     row("norm-type", "nhd", TypeError, "norm", expect(X(f"one of {NORMS} (a str)"), "None"), norm=None),
+    row("rope-unknown", "shuffle", ValueError, "rope", expect(X(f"one of {ROPES}"), "'yarn'"), rope="yarn"),
+    row("rope-type", "m3", TypeError, "rope", expect(X(f"one of {ROPES} (a str)"), X("True (bool)")), rope=True),
     # ---- positions
     row("positions-dtype", "shuffle", TypeError, "positions", expect("dtype int64", "int32"),
         positions=lambda a: a["positions"].int()),

@@ -15,8 +15,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from kvforge.codegen.model import IndexMode
+from kvforge.codegen.signature import ARGS, CALL_NAMES, Kind
 from kvforge.runtime import fused_qknorm_rope_cache
-from kvforge.runtime.api import _ARG_NAMES
 from kvforge.runtime.registry import spec
 from kvforge.runtime.testing import MUTABLE, make_inputs, with_outputs
 
@@ -45,7 +45,7 @@ def _heads(v) -> tuple[int, int]:
 def op_args(v, tokens: int, device: str, seed: int = 0) -> tuple:
     """The op's positional arguments (outputs passed, checked=False)."""
     args = with_outputs(make_inputs(v, tokens, *_heads(v), device=device, seed=seed))
-    return tuple(args.get(name) for name in _ARG_NAMES) + (False,)
+    return tuple(args.get(name) for name in CALL_NAMES) + (False,)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,7 @@ def test_the_schema_marks_exactly_the_outputs_and_caches_written():
     sets = [frozenset(a.alias_info.before_set) for a in schema.arguments if a.name in MUTABLE]
     assert len(set(sets)) == len(sets)
     assert list(schema.returns) == []
-    assert [a.name for a in schema.arguments] == [*_ARG_NAMES, "checked"]
+    assert [a.name for a in schema.arguments] == [a.name for a in ARGS]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -87,20 +87,20 @@ def test_the_op_writes_only_what_its_schema_says(v, device):
     argv = op_args(v, 7, device, seed=1)
     written = {a.name for a in OP._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     gen = torch.Generator().manual_seed(2)
-    for name, x in zip(_ARG_NAMES, argv):  # poison what may be written, so a write shows
+    for name, x in zip(CALL_NAMES, argv):  # poison what may be written, so a write shows
         if name in written and isinstance(x, torch.Tensor):
             raw = torch.randint(0, 256, (x.untyped_storage().nbytes(),), generator=gen, dtype=torch.uint8)
             torch.empty(0, dtype=torch.uint8, device=x.device).set_(x.untyped_storage()).copy_(raw.to(x.device))
-    before = {name: _bytes(x) for name, x in zip(_ARG_NAMES, argv) if isinstance(x, torch.Tensor)}
+    before = {name: _bytes(x) for name, x in zip(CALL_NAMES, argv) if isinstance(x, torch.Tensor)}
     OP(*argv)
-    after = {name: _bytes(x) for name, x in zip(_ARG_NAMES, argv) if isinstance(x, torch.Tensor)}
+    after = {name: _bytes(x) for name, x in zip(CALL_NAMES, argv) if isinstance(x, torch.Tensor)}
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert changed <= written, f"written but not marked mutable: {changed - written}"
     assert "q_out" in changed
 
 
 # ---- torch.compile over changing token counts -------------------------------------------------
-CACHES = ("k_cache", "v_cache", "kv_cache", "index_cache")
+CACHES = tuple(a.name for a in ARGS if a.kind is Kind.CACHE)
 PER_CALL = ("qkv", "positions", "slot_mapping", "index_slot_mapping")
 COMPILED = _one_per(lambda v: v.contract.name, lambda v: v.index_mode is IndexMode.FULL)
 TOKENS = (5, 9, 17, 33)
