@@ -5,8 +5,8 @@
 
 For trying a change to the kernel header behind a macro before it is made for good: each
 set names a build (`name=` and its definitions, comma-separated; the first set is the
-baseline), each case a configuration of bench.py (m3, sglang, shuffle, fp8), a TP and a
-token count, and optionally a launch (depth:tile:v_loop:lanes; default: the tuned one).
+baseline), each case a configuration of bench.py (m3, sglang, shuffle, fp8), a
+TP and a token count, and optionally a launch (depth:tile:v_loop:lanes; default: the tuned one).
 Every build's launch of a case is checked against the reference, then timed as bench.py
 times the op (CUDA-graph replay, inputs rotated past L2), the sets in turn and in reverse
 order on alternate rounds; a case's line gives each set's fastest time and its change from
@@ -43,7 +43,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench import CONFIGS, TP, find_variant, graph_us, hang_watchdog, input_sets  # noqa: E402
-from kvforge.codegen.layout import v_transposed  # noqa: E402
 from kvforge.codegen.model import Variant  # noqa: E402
 from kvforge.runtime import build, toolchain  # noqa: E402
 from kvforge.runtime.api import launch_with  # noqa: E402
@@ -138,7 +137,7 @@ def run_case(case: Case, toolchains: dict[str, toolchain.Toolchain], rounds: int
     """µs per call of each set's build, one timing per round."""
     nq, nkv, niq = TP[case.tp]
     v = find_variant(CONFIGS[case.config], nkv)
-    launch = case.launch or launch_used(torch.cuda.get_device_name(), v.uri, case.tokens, v_transposed(v))
+    launch = case.launch or launch_used(torch.cuda.get_device_name(), v, case.tokens)
     sets, _, _, n_calls = input_sets(v, case.tokens, nq, niq)
     check = ReferenceCheck(sets[0], ref_device="cuda")
     calls = {}

@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.unfused import layouts, unfused  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
-from kvforge.codegen.layout import v_transposed  # noqa: E402
 from kvforge.codegen.model import IndexMode  # noqa: E402
 from kvforge.runtime import build, dispatch, fused_qknorm_rope_cache, toolchain, tuning  # noqa: E402
 from kvforge.runtime.abi import V_LOOP_OFF, V_LOOP_ON, KernelLibrary  # noqa: E402
@@ -56,7 +55,7 @@ L2_BYTES = 60 * 2 ** 20
 
 
 def find_variant(axes: dict, nkv: int):
-    want = {"dtype": "bf16", "head_dim": "128", "rotary_dim": "64", "norm": "gemma",
+    want = {"dtype": "bf16", "head_dim": "128", "rotary_dim": "64", "norm": "gemma", "rope": "neox",
             "index_mode": "full", "cos_sin": "bf16", "num_kv_heads": str(nkv), **axes}
     for v in spec().variants:
         if all(v.axes().get(k) == str(x) for k, x in want.items()):
@@ -209,7 +208,7 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
     stats = check_against_reference(sets[0], fused_qknorm_rope_cache, ref_device="cuda")
     identical = min(s["identical"] for s in stats.values())
     ours = [functools.partial(fused_qknorm_rope_cache, **sets[i % n_sets]) for i in range(n_calls)]
-    launch = tuning.launch_used(torch.cuda.get_device_name(), v.uri, tokens, v_transposed(v))
+    launch = tuning.launch_used(torch.cuda.get_device_name(), v, tokens)
     rec = {
         "contract": v.contract.name, "variant": v.uri, "tp": tp, "tokens": tokens, "slots": slots,
         "dtype": "bf16", "kv": v.kv_scale.value, "index": v.index_dtype.value if v.index_dtype else None,

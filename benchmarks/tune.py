@@ -9,7 +9,7 @@ For each variant (default: the MiniMax-M3 variants bench.py measures; --all: eve
 variant in variants.yaml) and token count, every depth a library holds
 (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
 KVF_MAX_TOKENS_PER_TILE) and every count of head lanes per thread the variant has
-(codegen/layout.py: max_lanes_per_thread), and for a transposed V (SHUFFLE) with V in the
+(codegen/lanes.py: LaneMap.max_sub), and for a transposed V (SHUFFLE) with V in the
 main loop and in the V loop, is checked against the reference, then timed under CUDA-graph
 replay with inputs rotated past L2, as bench.py times (decode slots up to 256 tokens,
 prefill above). It is timed at each TP of bench.py the variant serves (4 kv heads: TP1's
@@ -61,7 +61,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench import CONFIGS, DECODE_UP_TO, TP, find_variant, graph_us, hang_watchdog, input_sets  # noqa: E402
 from benchmarks.report import RESULTS  # noqa: E402
-from kvforge.codegen.layout import max_lanes_per_thread, v_transposed  # noqa: E402
+from kvforge.codegen.lanes import lane_map_of  # noqa: E402
+from kvforge.codegen.layout import v_transposed  # noqa: E402
 from kvforge.codegen.model import IndexMode  # noqa: E402
 from kvforge.codegen.paths import TUNED  # noqa: E402
 from kvforge.runtime import build, toolchain  # noqa: E402
@@ -88,7 +89,7 @@ CONFIRM_WITHIN = 0.05
 def launches(v) -> list[Launch]:
     """Every launch the variant's library distinguishes."""
     places = (V_LOOP_OFF, V_LOOP_ON) if v_transposed(v) else (V_LOOP_DEFAULT,)
-    lanes = range(1, max_lanes_per_thread(v.head_dim, v.rotary_dim) + 1)
+    lanes = range(1, lane_map_of(v).max_sub + 1)
     return [Launch(d, t, p, n) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in TOKENS_PER_TILE for p in places
             for n in lanes]
 

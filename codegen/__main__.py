@@ -25,7 +25,8 @@ import os
 import sys
 import time
 
-from .model import SpecError, Variant, lay_over, load_spec
+from .load import lay_over, load_spec
+from .model import SpecError, Variant
 from .paths import PACKAGE, VARIANTS_YAML, user_variant_files
 from .render import generate, source_of
 from .signature import ABI_HEADER, write_abi_header

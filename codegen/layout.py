@@ -25,32 +25,6 @@ def stride_symbol(dim: int) -> str:
     return f"s{dim}"
 
 
-@lru_cache(maxsize=None)
-def lane_dims(head_dim: int, rotary_dim: int) -> tuple[tuple[int, ...], ...]:
-    """The dims each main-loop lane of the kernel holds, in the order it sums their
-    squares: two VEC-dim chunks per lane. With VEC-aligned rotary halves a rotary lane
-    holds chunk i and its RoPE partner i + half/VEC, the other lanes pass-through chunks
-    split into two halves; otherwise lanes hold adjacent chunks. Mirrors `chunk_of` in
-    include/kvforge/fused_qknorm_rope_cache.cuh."""
-    chunks, half = head_dim // VEC, rotary_dim // 2
-    if half % VEC == 0:
-        rot = half // VEC
-        rest = (chunks - 2 * rot) // 2
-        pairs = [(i, i + rot) for i in range(rot)] + [(2 * rot + k, 2 * rot + k + rest)
-                                                      for k in range(rest)]
-    else:
-        pairs = [(2 * i, 2 * i + 1) for i in range(chunks // 2)]
-    return tuple(tuple(d for c in pair for d in range(c * VEC, c * VEC + VEC)) for pair in pairs)
-
-
-def max_lanes_per_thread(head_dim: int, rotary_dim: int) -> int:
-    """The most of a head's lanes (lane_dims) one main-loop thread may hold: two where the
-    rotary halves are VEC-aligned (a lane rotates its own chunks, no exchange with its
-    neighbours) and a head has two lanes or more, else one. The generated source's
-    Traits::kMaxLanesPerThread; the tuner tries each count up to it."""
-    return 2 if (rotary_dim // 2) % VEC == 0 and head_dim // (2 * VEC) >= 2 else 1
-
-
 @dataclass(frozen=True)
 class CacheAccess:
     """A cache as the kernel sees it for one variant."""

@@ -22,7 +22,7 @@ from .yamlload import LocDict, LocList, load
 
 __all__ = [
     "DType", "Fp8", "IndexMode", "IndexDtype", "KvScale", "Norm", "Saturation", "IndexSlots",
-    "Cache", "Contract", "Variant", "Family", "Spec", "SpecError", "lay_over", "load_spec", "parse_spec",
+    "Rope", "Cache", "Contract", "Variant", "Family", "Spec", "SpecError", "parse_unchecked",
 ]
 
 
@@ -95,6 +95,10 @@ class Norm(StrictEnum):
     PLAIN = "plain"          # x * rsqrt(ms + eps) * w
 
 
+class Rope(StrictEnum):
+    NEOX = "neox"            # pairs (i, i + rotary_dim/2)
+
+
 class Saturation(StrictEnum):
     SATURATE = "saturate"
     PASSTHROUGH = "passthrough"
@@ -156,6 +160,7 @@ class Variant:
     num_kv_heads: int
     cos_sin: DType
     norm: Norm
+    rope: Rope
     index_mode: IndexMode
     index_dtype: IndexDtype | None   # None unless index_mode is full
     kv_scale: KvScale
@@ -181,6 +186,8 @@ class Variant:
             f"kvh{self.num_kv_heads}", f"cs{self.cos_sin.value}", self.norm.value,
             f"idx{idx}", f"kv{kv}",
         ]
+        if self.rope is not Rope.NEOX:  # NeoX unspelled: the names of the libraries before the axis
+            parts.insert(7, self.rope.value)
         if self.fp8 is not None:
             parts.append(self.fp8.value)
         return "_".join(parts)
@@ -196,7 +203,7 @@ class Variant:
             "contract": self.contract.name, "dtype": self.dtype.value,
             "head_dim": str(self.head_dim), "rotary_dim": str(self.rotary_dim),
             "num_kv_heads": str(self.num_kv_heads), "cos_sin": self.cos_sin.value,
-            "norm": self.norm.value, "index_mode": self.index_mode.value,
+            "norm": self.norm.value, "rope": self.rope.value, "index_mode": self.index_mode.value,
             "kv_scale": self.kv_scale.value,
         }
         if self.index_dtype is not None:
@@ -207,7 +214,7 @@ class Variant:
 
 
 AXES = ("contract", "dtype", "head_dim", "rotary_dim", "num_kv_heads", "cos_sin", "norm",
-        "index_mode", "index_dtype", "kv_scale", "fp8")
+        "rope", "index_mode", "index_dtype", "kv_scale", "fp8")
 
 
 @dataclass(frozen=True)
@@ -497,9 +504,14 @@ _DEFAULT_CHECKS: dict[str, Callable[[Any], Any]] = {
     "dtype": DType.parse, "head_dim": _check_head_dim,
     "rotary_dim": lambda v: _rotary(v, 256), "num_kv_heads": _pos_int,
     "cos_sin": lambda v: v if v == "model" else DType.parse(v), "norm": Norm.parse,
-    "index_mode": IndexMode.parse, "index_dtype": IndexDtype.parse, "kv_scale": KvScale.parse,
+    "rope": Rope.parse, "index_mode": IndexMode.parse, "index_dtype": IndexDtype.parse, "kv_scale": KvScale.parse,
     "fp8": Fp8.parse,
 }
+
+
+# Axes added after version 1, with the value every file written before them meant: such a
+# file still parses (its variants keep their names) without naming them in its defaults.
+_LATER_AXES = {"rope": Rope.NEOX.value}
 
 
 def _is_scalar(value: Any) -> bool:
@@ -550,6 +562,7 @@ def make_variant(contracts: Mapping[str, Contract], p: Mapping[str, Any]) -> Var
     nkv = parse("num_kv_heads", _pos_int)
     cos_sin = parse("cos_sin", lambda v: dtype if v == "model" else DType.parse(v))
     norm = parse("norm", Norm.parse)
+    rope = parse("rope", Rope.parse)
     mode = parse("index_mode", IndexMode.parse)
     idx_dtype = parse("index_dtype", IndexDtype.parse) if mode is IndexMode.FULL else None
     kv_scale = parse("kv_scale", KvScale.parse)
@@ -560,7 +573,7 @@ def make_variant(contracts: Mapping[str, Contract], p: Mapping[str, Any]) -> Var
     uses_fp8 = kv_scale is not KvScale.NONE or idx_dtype is IndexDtype.FP8
     fp8 = parse("fp8", Fp8.parse) if uses_fp8 else None
     return Variant(contract=contract, dtype=dtype, head_dim=head_dim, rotary_dim=rotary,
-                   num_kv_heads=nkv, cos_sin=cos_sin, norm=norm, index_mode=mode,
+                   num_kv_heads=nkv, cos_sin=cos_sin, norm=norm, rope=rope, index_mode=mode,
                    index_dtype=idx_dtype, kv_scale=kv_scale, fp8=fp8)
 
 
@@ -665,7 +678,7 @@ def _parse_defaults(errs: _Errors, top: _Section, base: Mapping[str, Any] | None
     for axis in AXES:
         if axis == "contract":
             continue
-        if base is None and axis not in sec.data and "defaults" in top.data:
+        if base is None and axis not in sec.data and axis not in _LATER_AXES and "defaults" in top.data:
             errs.add(sec.line, f"defaults.{axis}", "missing required key")
         if isinstance(sec.data.get(axis), list):
             errs.add(sec.key_line(axis), f"defaults.{axis}", "a default is one value, not a list")
@@ -673,7 +686,7 @@ def _parse_defaults(errs: _Errors, top: _Section, base: Mapping[str, Any] | None
             sec.get(axis, _DEFAULT_CHECKS[axis])
     if not sec.ok or len(errs.items) > n_before:
         return None
-    return {**(base or {}), **sec.data}
+    return {**(_LATER_AXES if base is None else base), **sec.data}
 
 
 def _parse_document(errs: _Errors, data: Any, base: Spec | None) -> tuple[dict, list[Family], dict] | None:
@@ -723,24 +736,12 @@ def _parse_document(errs: _Errors, data: Any, base: Spec | None) -> tuple[dict, 
                          f"duplicate family name (first at {seen_names[fam.name]})")
             seen_names[fam.name] = f"{errs.filename}:{fam.line}"
             families.append(fam)
-    # Layout checks need concrete sizes, so they run per variant (codegen.layout).
-    from .layout import check_variant
-    checked: set[tuple[str, str]] = set()
-    for fam in families:
-        for v in fam.variants:
-            if v.contract.name not in contracts:
-                continue  # the base file's contracts were checked with its own variants
-            for role, message in check_variant(v):
-                key = (f"contracts.{v.contract.name}.caches.{role}", message)
-                if key not in checked:
-                    checked.add(key)
-                    errs.add(v.contract.line, key[0], f"{message} (in variant {v.uri})")
     return contracts, families, defaults
 
 
-def parse_spec(text: str, filename: str = "variants.yaml", base: Spec | None = None) -> Spec:
+def parse_unchecked(text: str, filename: str = "variants.yaml", base: Spec | None = None) -> Spec:
     """Parse one variants file; with `base`, as an overlay whose contracts and families are
-    added to base's (a user's or an engine's own file over the shipped one)."""
+    added to base's. Its layouts are not yet proven: codegen.load does that (parse_spec)."""
     errs = _Errors(filename)
     parsed = _parse_document(errs, _load_document(text, filename), base)
     if errs.items or parsed is None:
@@ -754,21 +755,3 @@ def parse_spec(text: str, filename: str = "variants.yaml", base: Spec | None = N
     unique = {v.uri: v for fam in families for v in fam.variants}
     return Spec(contracts=contracts, families=tuple(families), defaults=defaults,
                 variants=tuple(unique[u] for u in sorted(unique)))
-
-
-def load_spec(path: str | Path, *overlays: str | Path) -> Spec:
-    """The shipped variants file (`path`), then each overlay laid over it in order. Errors
-    name the shipped file by its base name and an overlay by the path as given."""
-    path = Path(path)
-    return lay_over(parse_spec(path.read_text(encoding="utf-8"), path.name), *overlays)
-
-
-def lay_over(spec: Spec, *overlays: str | Path) -> Spec:
-    """`spec` with each overlay file laid over it in order (only the overlays are parsed)."""
-    for overlay in overlays:
-        try:
-            text = Path(overlay).read_text(encoding="utf-8")
-        except OSError as e:
-            raise SpecError([f"{overlay}: cannot read the variants file ({e.strerror})"]) from None
-        spec = parse_spec(text, str(overlay), base=spec)
-    return spec

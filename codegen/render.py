@@ -16,8 +16,9 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
-from .layout import access, max_lanes_per_thread
-from .model import DType, Fp8, IndexMode, KvScale, Norm, Saturation, Spec, Variant
+from . import lanes
+from .layout import access
+from .model import DType, Fp8, IndexMode, KvScale, Norm, Rope, Saturation, Spec, Variant
 from .paths import GENERATED, INCLUDE, TEMPLATES
 
 _ENV = jinja2.Environment(
@@ -31,10 +32,18 @@ _ENV = jinja2.Environment(
 _TEMPLATE = "variant.hip.j2"
 _DTYPE = {DType.BF16: "BF16", DType.FP16: "FP16", DType.FP32: "F32"}
 _INDEX_MODE = {IndexMode.FULL: "Full", IndexMode.SKIP: "Skip", IndexMode.NONE: "None"}
-_SCALE = {KvScale.NONE: "None", KvScale.UNIT: "Unit", KvScale.PER_TENSOR: "PerTensor",
-          KvScale.PER_HEAD: "PerHead"}
-# A variant that stores nothing as FP8 still names a flavour constant; the kernel never reads it.
-_FP8 = {Fp8.E4M3FN: "E4M3FN", Fp8.E4M3FNUZ: "E4M3FNUZ", None: "E4M3FN"}
+_SCALE = {KvScale.UNIT: "Unit", KvScale.PER_TENSOR: "PerTensor", KvScale.PER_HEAD: "PerHead"}
+_FP8 = {Fp8.E4M3FN: "E4M3FN", Fp8.E4M3FNUZ: "E4M3FNUZ"}
+_ROPE = {Rope.NEOX: "NeoxRope"}
+
+
+def _quant(v: Variant, fp8: bool, scale: KvScale, saturate: bool) -> str:
+    """The Quant policy of a store: the model dtype, or FP8 at the scale."""
+    model = f"kvf::{_DTYPE[v.dtype]}"
+    if not fp8:
+        return f"kvf::AsModel<{model}>"
+    sat = "true" if saturate else "false"
+    return f"kvf::AsFp8<{model}, kvf::Fp8::{_FP8[v.fp8]}, kvf::Scale::{_SCALE[scale]}, {sat}>"
 _PARAMS = (("c", "const kvf_cache_t& c"), ("page", "int64_t page"), ("off", "uint32_t off"),
            ("h", "uint32_t h"), ("d", "uint32_t d"))
 
@@ -95,10 +104,10 @@ def render_variant(v: Variant) -> str:
     return _ENV.get_template(_TEMPLATE).render(
         version=__version__, input_hash=input_hash(v), uri=v.uri, v=v, contract=v.contract,
         axes=v.axes(), model=_DTYPE[v.dtype], cos_sin=_DTYPE[v.cos_sin],
-        gemma=v.norm is Norm.GEMMA, index_mode=_INDEX_MODE[v.index_mode],
-        kv_scale=_SCALE[v.kv_scale], fp8=_FP8[v.fp8],
-        saturate=v.contract.saturation is Saturation.SATURATE,
-        max_lanes=max_lanes_per_thread(v.head_dim, v.rotary_dim), caches=caches)
+        gemma=v.norm is Norm.GEMMA, rope=_ROPE[v.rope], index_mode=_INDEX_MODE[v.index_mode],
+        kv_quant=_quant(v, v.kv_fp8, v.kv_scale, v.contract.saturation is Saturation.SATURATE),
+        index_quant=_quant(v, v.index_fp8, KvScale.UNIT, True),  # SPEC §1: unit scale, saturating
+        lanes=lanes.lane_map_of(v), caches=caches)
 
 
 def source_of(v: Variant) -> str:

@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from kvforge.codegen.layout import CacheAccess, access, lane_dims
+from kvforge.codegen.lanes import lane_map_of
+from kvforge.codegen.layout import CacheAccess, access
 from kvforge.codegen.model import Fp8, IndexMode, KvScale, Norm, Saturation, Variant
 from kvforge.codegen.signature import KERNEL_ARGS
 
@@ -47,12 +48,12 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
-def sum_of_squares(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+def sum_of_squares(v: Variant, x: torch.Tensor) -> torch.Tensor:
     """Σ x² over the last dim in the kernel's fp32 order: each lane's dims in sequence
-    (`lane_dims`, one fma each), then the lanes pairwise by halving (the butterfly).
-    Matching it bit for bit matters: rotations that cancel would otherwise magnify an
-    order-dependent last bit past one ulp of the output."""
-    order = lane_dims(x.shape[-1], rotary_dim)
+    (codegen/lanes.py: LaneMap.dims, one fma each), then the lanes pairwise by halving
+    (the butterfly). Matching it bit for bit matters: rotations that cancel would
+    otherwise magnify an order-dependent last bit past one ulp of the output."""
+    order = lane_map_of(v).dims
     sq = x[..., torch.tensor(order, device=x.device)]  # [..., lanes, dims of a lane]
     s = torch.zeros_like(sq[..., 0])
     for j in range(sq.shape[-1]):
@@ -63,23 +64,26 @@ def sum_of_squares(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     return s  # [..., 1]
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, norm: Norm, rotary_dim: int) -> torch.Tensor:
-    """Per-head RMSNorm over the last dim in fp32; Gemma scales by (1 + w). The rotary
-    dim only fixes the summation order (`sum_of_squares`)."""
-    mean = sum_of_squares(x, rotary_dim) / x.shape[-1]
+def rms_norm(v: Variant, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm over the last dim in fp32; Gemma scales by (1 + w). The variant's
+    lane map fixes the summation order (`sum_of_squares`)."""
+    mean = sum_of_squares(v, x) / x.shape[-1]
     inv = 1.0 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
     wf = w.float()
-    return (x * inv) * (1.0 + wf if norm is Norm.GEMMA else wf)
+    return (x * inv) * (1.0 + wf if v.norm is Norm.GEMMA else wf)
 
 
-def rope(n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """Partial NeoX rotation of n [T, H, D] at positions [T]; dims ≥ rotary_dim pass.
-    Each output is one fma of its first product, as the kernel computes it."""
-    half = rotary_dim // 2
+def rope(v: Variant, n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Partial rotation of n [T, H, D] at positions [T] in the variant's style (SPEC §1):
+    NeoX pairs (i, i + R/2); dims ≥ R pass. Each output is one
+    fma of its first product, as the kernel computes it."""
+    r = v.rotary_dim
+    half = r // 2
     cs = cos_sin[positions].float()
-    c, s = cs[:, None, :half], cs[:, None, half:rotary_dim]
-    a, b = n[..., :half], n[..., half:rotary_dim]
-    return torch.cat([fma(a, c, -(b * s)), fma(b, c, a * s), n[..., rotary_dim:]], dim=-1)
+    c, s = cs[:, None, :half], cs[:, None, half:r]
+    a, b = n[..., :half], n[..., half:r]
+    rotated = torch.cat([fma(a, c, -(b * s)), fma(b, c, a * s)], dim=-1)
+    return torch.cat([rotated, n[..., r:]], dim=-1)
 
 
 # The op's arguments the kernel reads (those with a field of kvf_args_t) after validation, by
@@ -125,7 +129,7 @@ def _quant_kv(v: Variant, x: torch.Tensor, scale: Optional[torch.Tensor], cache_
 
 def run(v: Variant, t: Tensors) -> None:
     """Compute everything the fused op writes, in place into t's outputs and caches."""
-    D, R, nkv = v.head_dim, v.rotary_dim, v.num_kv_heads
+    D, nkv = v.head_dim, v.num_kv_heads
     nq, niq = t.num_heads, t.num_index_heads
     T = t.qkv.shape[0]
     model = t.qkv.dtype
@@ -136,7 +140,7 @@ def run(v: Variant, t: Tensors) -> None:
     rbq = v.contract.round_before_quant
 
     def normed(heads: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return rope(rms_norm(heads, w, t.eps, v.norm, R), t.cos_sin_cache, pos_c, R)
+        return rope(v, rms_norm(v, heads, w, t.eps), t.cos_sin_cache, pos_c)
 
     # SPEC §1: a token whose position has no cos/sin row writes zeros to its q_out and
     # index_q_out rows and nothing to any cache (K, V and index alike).

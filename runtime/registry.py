@@ -17,7 +17,8 @@ import warnings
 
 from pathlib import Path
 
-from kvforge.codegen.model import Spec, Variant, lay_over, load_spec
+from kvforge.codegen.load import lay_over, load_spec
+from kvforge.codegen.model import Spec, Variant
 from kvforge.codegen.paths import VARIANTS_YAML, user_variant_files
 from kvforge.codegen import render
 

@@ -12,7 +12,7 @@ on twice the bytes but keep half the threads in flight; SHUFFLE's V loop stores 
 call is long enough. `benchmarks/tune.py` times every depth a library holds
 (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
 KVF_MAX_TOKENS_PER_TILE), every lane count the variant has (1..its
-max_lanes_per_thread), and for a transposed V both places, on the GPU and writes
+codegen/lanes.py: LaneMap.max_sub), and for a transposed V both places, on the GPU and writes
 tuning/<name>.json; the runtime only reads those files, so nothing is tuned at run time.
 A device or variant without an entry gets 0 for each, the library's defaults.
 
@@ -32,7 +32,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from kvforge.codegen.layout import max_lanes_per_thread
+from kvforge.codegen.lanes import lane_map_of
+from kvforge.codegen.layout import v_transposed
 from kvforge.codegen.paths import TUNED
 
 from .abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
@@ -84,7 +85,7 @@ class TuningError(ValueError):
 
 def lanes_problem(variant, lanes: int) -> Optional[str]:
     """Why `variant`'s library has no kernel for `lanes` head lanes per thread, if so."""
-    most = max_lanes_per_thread(variant.head_dim, variant.rotary_dim)
+    most = lane_map_of(variant).max_sub
     return None if lanes <= most else (f"lanes must be at most {most} for {variant.uri} (rotary halves not "
                                        f"8-aligned, or one lane per head), got {lanes}")
 
@@ -95,13 +96,10 @@ class Table:
     choices: dict[str, Ranges]
     where: str = "<table>"  # the file it was read from, for errors
 
-    def launch(self, uri: str, tokens: int) -> Launch:
-        return pick(self.choices.get(uri, ()), tokens)
-
     def ranges_for(self, variant) -> Ranges:
-        """The variant's ranges. The file alone cannot tell how many lanes a variant's
-        kernels hold, so a range naming more is refused here, at the variant's first
-        call, rather than by the library at every call."""
+        """The variant's ranges. The file alone
+        cannot tell how many lanes a variant's kernels hold, so a range naming more is
+        refused here, at the variant's first call, rather than by the library at every call."""
         ranges = self.choices.get(variant.uri, ())
         for i, (_, launch) in enumerate(ranges):
             bad = lanes_problem(variant, launch.lanes)
@@ -187,7 +185,8 @@ def table_for(device: str, root: Path = TUNED) -> Optional[Table]:
     return parse(found[0][1], str(found[0][0])) if found else None
 
 
-def launch_used(device: str, uri: str, tokens: int, v_transposed: bool) -> Launch:
+def launch_used(device: str, variant, tokens: int) -> Launch:
     """The launch a call of `tokens` tokens gets on `device`, defaults resolved (for reports)."""
     table = table_for(device)
-    return (table.launch(uri, tokens) if table else DEFAULT).resolved(tokens, v_transposed)
+    launch = pick(table.ranges_for(variant), tokens) if table else DEFAULT
+    return launch.resolved(tokens, v_transposed(variant))

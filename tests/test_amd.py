@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from benchmarks.bench import COPY_SOURCE
-from kvforge.codegen.layout import max_lanes_per_thread
+from kvforge.codegen.lanes import lane_map_of
 from kvforge.runtime import build, toolchain
 from kvforge.runtime.abi import MAX_PIPELINE_DEPTH
 from kvforge.runtime.registry import source_of, spec
@@ -16,7 +16,7 @@ ALL = spec().variants
 # The bf16 seed without an index branch: the 16-byte store check reads its assembly.
 SEED = next(v for v in ALL if v.axes() == {
     "contract": "vllm_shuffle16", "dtype": "bf16", "head_dim": "128", "rotary_dim": "64",
-    "num_kv_heads": "4", "cos_sin": "bf16", "norm": "gemma", "index_mode": "none",
+    "num_kv_heads": "4", "cos_sin": "bf16", "norm": "gemma", "rope": "neox", "index_mode": "none",
     "kv_scale": "none"})
 SAMPLE = sample_variants(ALL, must=(SEED,))
 TARGETS = ("gfx942", "gfx950")
@@ -82,7 +82,7 @@ def test_waves_are_64_lanes_and_nothing_spills_to_scratch(assembly):
     by_uri = {v.uri: v for v in variants}
     for uri, text in asm.items():
         # one kernel per pipeline depth and lane count the library holds
-        kernels = MAX_PIPELINE_DEPTH * max_lanes_per_thread(by_uri[uri].head_dim, by_uri[uri].rotary_dim)
+        kernels = MAX_PIPELINE_DEPTH * lane_map_of(by_uri[uri]).max_sub
         assert kernel_metadata(text, "wavefront_size") == ["64"] * kernels, uri
         # No scratch traffic. (A small private segment alone can be the slot LLVM reserves
         # for its register scavenger once SGPRs spill into VGPR lanes; it is never touched.)

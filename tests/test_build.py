@@ -73,7 +73,7 @@ def test_defines_reach_every_compile_command():
 
 UNLISTED = make_variant(spec().contracts, {
     "contract": "vllm_shuffle16", "dtype": "fp16", "head_dim": 64, "rotary_dim": 32,
-    "num_kv_heads": 2, "cos_sin": "fp32", "norm": "plain", "index_mode": "full",
+    "num_kv_heads": 2, "cos_sin": "fp32", "norm": "plain", "rope": "neox", "index_mode": "full",
     "index_dtype": "fp8", "kv_scale": "per_tensor", "fp8": "e4m3fnuz"})
 
 

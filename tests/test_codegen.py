@@ -9,7 +9,7 @@ import pytest
 
 from kvforge.codegen import render
 from kvforge.codegen.layout import access
-from kvforge.codegen.model import load_spec
+from kvforge.codegen.load import load_spec
 from kvforge.codegen.paths import GENERATED, PACKAGE, VARIANTS_YAML
 
 GOLDEN = Path(__file__).parent / "golden"

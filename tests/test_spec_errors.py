@@ -3,7 +3,8 @@ import textwrap
 
 import pytest
 
-from kvforge.codegen.model import SpecError, parse_spec
+from kvforge.codegen.load import parse_spec
+from kvforge.codegen.model import SpecError
 
 BASE = textwrap.dedent("""\
     version: 1
@@ -66,7 +67,7 @@ def test_base_is_valid():
 def test_unknown_key():
     assert errors(BASE.replace("  norm: gemma\n", "  norm: gemma\n  colour: red\n")) == [
         "variants.yaml:9: defaults.colour: unknown key (allowed: dtype, head_dim, rotary_dim, "
-        "num_kv_heads, cos_sin, norm, index_mode, index_dtype, kv_scale, fp8)"]
+        "num_kv_heads, cos_sin, norm, rope, index_mode, index_dtype, kv_scale, fp8)"]
 
 
 def test_duplicate_key():
@@ -180,3 +181,4 @@ def test_any_edit_parses_or_is_reported(edits):
         parse_spec("\n".join(lines) + "\n")
     except SpecError as e:
         assert all(err.startswith("variants.yaml:") for err in e.errors), e.errors
+

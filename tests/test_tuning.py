@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.tune import choose, launches, launches_per_count, ranges, tps
-from kvforge.codegen.layout import max_lanes_per_thread, v_transposed
+from kvforge.codegen.lanes import lane_map_of
+from kvforge.codegen.layout import v_transposed
 from kvforge.codegen.paths import TUNED
 from kvforge.runtime.abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
                          MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF,
@@ -75,7 +76,8 @@ def test_the_table_is_found_by_device_name(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(table({"v": [[16, 1, 1, 1, 1], [None, 2, 2, 2, 2]]})))
     (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "abi": ABI_VERSION, "choices": {"v": [[0, 9, 1, 0, 1]]}}))
     t = table_for("GPU X", tmp_path)  # b.json is broken, but for another GPU
-    assert t.launch("v", 16) == (1, 1, 1, 1) and t.launch("v", 17) == (2, 2, 2, 2) and t.launch("other", 1) == DEFAULT
+    launch = lambda uri, n: pick(t.choices.get(uri, ()), n)  # noqa: E731
+    assert launch("v", 16) == (1, 1, 1, 1) and launch("v", 17) == (2, 2, 2, 2) and launch("other", 1) == DEFAULT
     assert table_for("GPU Y", tmp_path) is None
     with pytest.raises(TuningError, match="b.json: v: range 0"):
         table_for("GPU Z", tmp_path)
@@ -139,19 +141,11 @@ def test_the_tuner_times_both_v_places_only_where_v_is_transposed():
     assert len(launches(by_transposed[True])) == 2 * MAX_PIPELINE_DEPTH * 3 * MAX_LANES_PER_THREAD
 
 
-@pytest.mark.parametrize("head_dim,rotary_dim,most", [(128, 64, 2), (128, 128, 2), (128, 48, 2), (128, 40, 1),
-                                                      (128, 36, 1), (64, 32, 2), (32, 16, 2), (16, 16, 1)])
-def test_two_lanes_per_thread_only_where_a_lane_rotates_alone(head_dim, rotary_dim, most):
-    """A thread of two lanes holds lanes LANES / 2 apart, each rotating its own chunks: the
-    rotary halves must be 8-aligned (40's halves of 20 are not) and a head two lanes or more."""
-    assert max_lanes_per_thread(head_dim, rotary_dim) == most
-
-
 def test_the_tuner_times_every_lane_count_a_variant_has():
     for v in spec().variants:
-        most = max_lanes_per_thread(v.head_dim, v.rotary_dim)
+        most = lane_map_of(v).max_sub
         assert {n for *_, n in launches(v)} == set(range(1, most + 1)), v.uri
-    assert {max_lanes_per_thread(v.head_dim, v.rotary_dim) for v in spec().variants} == {1, 2}
+    assert {lane_map_of(v).max_sub for v in spec().variants} == {1, 2}
 
 
 def test_the_tuner_splits_ranges_between_measured_counts_and_merges_equal_ones():
@@ -346,7 +340,7 @@ def test_stored_tables_load_and_name_listed_variants():
             v = variants[uri]
             places = {launch.v_loop for _, launch in entries}
             assert places <= ({V_LOOP_OFF, V_LOOP_ON} if v_transposed(v) else {V_LOOP_DEFAULT}), uri
-            assert max(launch.lanes for _, launch in entries) <= max_lanes_per_thread(v.head_dim, v.rotary_dim), uri
+            assert max(launch.lanes for _, launch in entries) <= lane_map_of(v).max_sub, uri
 
 
 def _stored_tables():
@@ -400,7 +394,6 @@ def test_the_compacted_table_picks_every_launch_the_old_one_did():
         for uri, picked in by_uri.items():
             tuned = t.ranges_for(variants[uri])
             assert [list(pick(tuned, n)) for n in fixture["tokens"]] == picked, (device, uri)
-            assert [list(t.launch(uri, n)) for n in fixture["tokens"]] == picked, (device, uri)
 
 
 def test_the_scripts_build_their_rotating_input_sets():
@@ -419,7 +412,7 @@ def test_the_scripts_build_their_rotating_input_sets():
 def test_a_range_naming_more_lanes_than_the_variant_holds_is_refused_at_its_first_call(tmp_path):
     """The file is valid (lanes 2 exist); the variant's kernels stop at one lane, which
     only the variant knows: the error names the file and range, not a failed launch."""
-    one, two = (next(v for v in spec().variants if max_lanes_per_thread(v.head_dim, v.rotary_dim) == n)
+    one, two = (next(v for v in spec().variants if lane_map_of(v).max_sub == n)
                 for n in (1, 2))
     ranges = [[16, 1, 1, 1, 1], [None, 2, 4, 2, 2]]
     (tmp_path / "t.json").write_text(json.dumps(table({one.uri: ranges, two.uri: ranges})))

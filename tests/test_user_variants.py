@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvforge.codegen.model import SpecError, load_spec
+from kvforge.codegen.load import load_spec
+from kvforge.codegen.model import SpecError
 from kvforge.codegen.paths import VARIANTS_YAML, user_variant_files
 
 REPO = Path(__file__).resolve().parents[1]

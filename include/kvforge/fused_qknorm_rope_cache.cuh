@@ -1,37 +1,39 @@
-// The fused MiniMax-M3 attention prologue (SPEC §1-§3), written once for every variant.
+// The fused MiniMax-M3 attention prologue (SPEC §1-§3): one memory schedule for every
+// variant, its math the policies a variant's traits select (policies.cuh: Norm, Rope,
+// Quant).
 //
-// A generated source defines a traits struct (constants + the contract's cache offset
-// functions) and instantiates `kvf::launch<Traits>`. Nothing in here knows a layout by
-// name: cache addresses come from Traits::{K,V,Index}::offset, vector widths from the
-// layout analysis in codegen/layout.py.
+// A generated source defines a traits struct (constants, the policies, the lane map and
+// the contract's cache offset functions) and instantiates `kvf::launch<Traits>`. Nothing in
+// here knows a layout or a rotary style by name: cache addresses come from
+// Traits::{K,V,Index}::offset, vector widths from codegen/layout.py, which dims a lane
+// holds from codegen/lanes.py (Traits::Lanes).
 //
-// Work split: a main-loop lane holds two 16-byte chunks of one head (a chunk and its
-// RoPE partner where the rotary halves allow), so one head of D dims is D/16 lanes, held
-// by as many adjacent threads ("a group") or, at two lanes per thread (tuned), half as
-// many; groups never straddle a warp or wave, so the RMSNorm reduction is a shuffle
-// butterfly inside the group. Tokens go to threads in tiles of one, two or four (tuned;
-// twice that at two lanes), the tile's groups of each head side by side. A main-loop
-// thread keeps its head lanes for every token it visits and requests the next token's
-// rows (RowPipe) while computing the current. V of a layout that scatters one token's dims (SHUFFLE)
-// goes, in long calls (kvf_args_t::v_loop), to a second loop every thread runs after the
-// main one, in which a lane owns up to 8 consecutive tokens of one dim chunk and, for
-// prefill runs, transposes them in registers into vector stores (whole 16-byte runs are
-// staged in shared memory, where rows come by cp.async, so a store instruction writes
-// adjacent vectors); other calls write it in the main loop (a head's row staged the
-// same way). AMD stages neither: registers and LDS (see kStageV).
+// Work split: a main-loop lane holds two 16-byte chunks of one head, so one head of D
+// dims is D/16 lanes, held by as many adjacent threads ("a group") or, at two lanes per
+// thread (tuned), half as many; groups never straddle a warp or wave, so a reduction over
+// the head is a shuffle butterfly inside the group. Tokens go to threads in tiles of one,
+// two or four (tuned; twice that at two lanes), the tile's groups of each head side by
+// side. A main-loop thread keeps its head lanes for every token it visits and requests
+// the next token's rows (RowPipe) while computing the current. V of a layout that
+// scatters one token's dims (SHUFFLE) goes, in long calls (kvf_args_t::v_loop), to a
+// second loop every thread runs after the main one, in which a lane owns up to 8
+// consecutive tokens of one dim chunk and, for prefill runs, transposes them in registers
+// into vector stores (whole 16-byte runs are staged in shared memory, where rows come by
+// cp.async, so a store instruction writes adjacent vectors); other calls write it in the
+// main loop (a head's row staged the same way). AMD stages neither: registers and LDS
+// (see kStageV).
 #pragma once
 
 #include <type_traits>
 
 #include "kvforge/abi.h"
 #include "kvforge/hip_compat.h"
+#include "kvforge/policies.cuh"
 
 namespace kvf {
 
 enum class IndexMode { Full, Skip, None };
-enum class Scale { None, Unit, PerTensor, PerHead };
 
-constexpr int kVec = 8;       // model-dtype elements per chunk (16 bytes); a lane holds two
 // Head lanes per block: a kernel whose threads hold kSub lanes each (1 or 2, see
 // Fused::main_loop) has kBlock / kSub threads, so its shared memory is the same.
 constexpr int kBlock = 256;
@@ -55,10 +57,6 @@ constexpr int kMinBlocksTwoLanes = 2;
 #endif
 template <int kSub>
 constexpr int kMinBlocksOf = kSub == 1 ? 3 : kMinBlocksTwoLanes;
-// Rows are requested one token ahead at every depth: two ahead (a ring of three stages)
-// gained nothing at two blocks per SM and lost at three (PERF.md, v6.8, session 17): bytes
-// in flight are not what limits the loop.
-constexpr int kRowsAhead = 1;
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
 // (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default),
@@ -80,34 +78,7 @@ struct Dims {
   int64_t v_groups;           // groups of kVGroup tokens the V loop writes (the last may be partial)
 };
 
-// ---- element packing -----------------------------------------------------------------
-template <class M>
-KVF_DEVICE void unpack8(const uint4& raw, float (&f)[kVec]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = M::to_float(w[i] & 0xffffu);
-    f[2 * i + 1] = M::to_float(w[i] >> 16);
-  }
-}
-
-template <class M>
-KVF_DEVICE void pack_model(const float (&f)[kVec], uint32_t (&w)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = M::from_float(f[2 * i]) | (M::from_float(f[2 * i + 1]) << 16);
-}
-
-// value * inv_scale to FP8, saturating to the format's max or (passthrough) with
-// out-of-range values as NaN.
-template <Fp8 F, bool Saturate>
-KVF_DEVICE void pack_fp8(const float (&f)[kVec], float inv_scale, uint32_t (&w)[2]) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    w[i] = fp8x2_from_float<F, Saturate>(f[4 * i] * inv_scale, f[4 * i + 1] * inv_scale) |
-           (fp8x2_from_float<F, Saturate>(f[4 * i + 2] * inv_scale, f[4 * i + 3] * inv_scale) << 16);
-  }
-}
-
+// ---- stores ------------------------------------------------------------------------
 // Element `j` (ElemBytes wide) of a packed word array.
 template <int ElemBytes>
 KVF_DEVICE uint32_t elem_of(const uint32_t* w, int j) {
@@ -155,31 +126,24 @@ KVF_DEVICE bool slot_ok(const kvf_cache_t& c, int64_t slot) {
   return slot >= 0 && slot < c.capacity;
 }
 
-// The cache scale of head h (1 without one).
-template <Scale S>
-KVF_DEVICE float scale_of(const float* scale, uint32_t h) {
-  if constexpr (S == Scale::PerTensor) return scale[0];
-  else if constexpr (S == Scale::PerHead) return scale[h];
-  else return 1.0f;
-}
-
-// A thread's 16-byte row chunks per token (two per head lane), requested kAhead tokens ahead of its
-// math: fill(k, ...) loads those of the token k steps ahead (the prologue's k = 0..
-// kAhead-1, then kAhead in each iteration) and close() ends every token's request;
-// front() gives the token being computed, pop() ends its iteration.
-// With asynchronous copies (NVIDIA sm_80+) the chunks wait in a shared-memory ring of
-// kAhead + 1 stages and hold no registers in flight; a stage is refilled one iteration
-// after its reads were consumed (the norm's shuffles, the stores) or never used, so no
-// copy overtakes a read that matters. Elsewhere (AMD, whose copy into LDS is a load and
-// then a store, so it would wait for each row) they wait in registers, a FIFO shifted
-// at pop(): a load stays in flight through at least one token's math.
-template <int kAhead, int kSub>
+// A thread's 16-byte row chunks per token (two per head lane), requested one token ahead
+// of its math (two ahead gained nothing at two blocks per SM and lost at three: bytes in
+// flight are not what limits the loop, PERF.md v6.8): fill(k, ...) loads those of the
+// token k steps ahead (the prologue's 0, then 1 in each iteration) and close() ends every
+// token's request; front() gives the token being computed, pop() ends its iteration.
+// With asynchronous copies (NVIDIA sm_80+) the chunks wait in a shared-memory ring of two
+// stages and hold no registers in flight; a stage is refilled one iteration after its
+// reads were consumed (the norm's shuffles, the stores) or never used, so no copy
+// overtakes a read that matters. Elsewhere (AMD, whose copy into LDS is a load and then a
+// store, so it would wait for each row) they wait in registers, a FIFO shifted at pop():
+// a load stays in flight through one token's math.
+template <int kSub>
 struct RowPipe {
   static constexpr int kChunks = 2 * kSub;  // a thread's chunks per token
 #if KVF_ASYNC_COPY
   // [stage][chunk * threads + thread]: a warp's copies of one chunk land side by side (no
   // bank conflicts); the same bytes at every kSub (kBlock lanes of two chunks).
-  using Ring = uint4[kAhead + 1][2 * kBlock];
+  using Ring = uint4[2][2 * kBlock];
   Ring& ring;
   int put = 0, get = 0;
 
@@ -189,16 +153,16 @@ struct RowPipe {
   }
   KVF_DEVICE void close() {
     async_commit();  // one group per token, filled or not, so the waits count tokens
-    put = put + 1 == kAhead + 1 ? 0 : put + 1;
+    put ^= 1;
   }
   KVF_DEVICE void front(uint4 (&x)[kChunks]) {
-    async_wait<kAhead>();  // this token's group has landed
+    async_wait<1>();  // this token's group has landed
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) x[c] = ring[get][c * kThreadsOf<kSub> + threadIdx.x];
   }
-  KVF_DEVICE void pop() { get = get + 1 == kAhead + 1 ? 0 : get + 1; }
+  KVF_DEVICE void pop() { get ^= 1; }
 #else
-  uint4 fifo[kAhead + 1][kChunks];  // fifo[k]: the token k steps ahead of the one computed
+  uint4 fifo[2][kChunks];  // fifo[k]: the token k steps ahead of the one computed
 
   KVF_DEVICE void fill(int k, const char* p, const int (&at)[kChunks]) {
 #pragma unroll
@@ -211,25 +175,44 @@ struct RowPipe {
   }
   KVF_DEVICE void pop() {
 #pragma unroll
-    for (int k = 0; k < kAhead; ++k) {
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c) fifo[k][c] = fifo[k + 1][c];
-    }
+    for (int c = 0; c < kChunks; ++c) fifo[0][c] = fifo[1][c];
   }
 #endif
+};
+
+// The sum over a head's lanes of a value each thread holds per sub-lane: sub-lanes s and
+// s + kSub / 2 (the lanes LANES / 2 apart, which the butterfly would add first) by the
+// thread itself, then a shuffle butterfly over the LN threads of the group, so the sum
+// is the same at every kSub, in the same order.
+template <int kSub, int LN>
+struct HeadGroup {
+  KVF_DEVICE float sum(float (&v)[kSub]) const {
+#pragma unroll
+    for (int h = kSub / 2; h >= 1; h /= 2) {
+#pragma unroll
+      for (int s = 0; s < h; ++s) v[s] += v[s + h];
+    }
+    float total = v[0];
+#pragma unroll
+    for (int sh = LN / 2; sh >= 1; sh /= 2) total += shfl_xor<LN>(total, sh);
+    return total;
+  }
 };
 
 template <class VT>
 struct Fused {
   using M = typename VT::Model;
-  using CS = typename VT::CosSin;
+  using Norm = typename VT::Norm;
+  using Rope = typename VT::Rope;
+  using KvQuant = typename VT::KvQuant;        // K and V
+  using IndexQuant = typename VT::IndexQuant;  // index_q_out and the index cache
+  using Lanes = typename VT::Lanes;            // codegen/lanes.py
   static constexpr int D = VT::kHeadDim;
   static constexpr int LPH = D / kVec;             // 8-dim chunks per head (V loop lanes)
   static constexpr int R = VT::kRotaryDim;
-  static constexpr int HALF = R / 2;
   static constexpr int NKV = VT::kNumKvHeads;
   static constexpr bool kIndex = VT::kIndexMode == IndexMode::Full;
-  static constexpr bool kKvFp8 = VT::kKvScale != Scale::None;
+  static constexpr bool kKvFp8 = KvQuant::kBytes == 1;
   static constexpr bool kVTransposed = VT::V::kTransposed;
   static_assert(LPH >= 2 && LPH <= 32 && (LPH & (LPH - 1)) == 0, "head_dim");
   static_assert(R % 2 == 0 && R <= D, "rotary_dim");
@@ -242,147 +225,39 @@ struct Fused {
 
   // Position pos's row of the cos/sin cache.
   static KVF_DEVICE const char* cos_sin_row(const void* cs, int64_t pos) {
-    return static_cast<const char*>(cs) + pos * R * CS::kBytes;
-  }
-
-  // The cos and sin rows a lane needs, as loaded (unpacked only at use, so the loads
-  // stay in flight while other tokens compute).
-  struct CosSinRaw {
-    uint4 v[CS::kBytes == 4 ? 4 : 2];
-  };
-
-  // 8 cos and 8 sin values for rotary index i0 (8-aligned) of position `pos`.
-  static KVF_DEVICE CosSinRaw load_cos_sin(const void* cs, int64_t pos, int i0) {
-    CosSinRaw r;
-    const char* row = cos_sin_row(cs, pos);
-    constexpr int kChunks = CS::kBytes == 4 ? 2 : 1;  // 16-byte chunks per 8 values
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      r.v[i] = load16(row + (i0 + 4 * i) * CS::kBytes);
-      r.v[kChunks + i] = load16(row + (HALF + i0 + 4 * i) * CS::kBytes);
-    }
-    return r;
-  }
-
-  static KVF_DEVICE void unpack_cos_sin(const CosSinRaw& r, float (&c)[kVec], float (&s)[kVec]) {
-    if constexpr (CS::kBytes == 4) {
-      const uint32_t w[16] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w, r.v[1].x, r.v[1].y, r.v[1].z,
-                              r.v[1].w, r.v[2].x, r.v[2].y, r.v[2].z, r.v[2].w, r.v[3].x, r.v[3].y,
-                              r.v[3].z, r.v[3].w};
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) { c[j] = bits_to_float(w[j]); s[j] = bits_to_float(w[8 + j]); }
-    } else {
-      unpack8<CS>(r.v[0], c);
-      unpack8<CS>(r.v[1], s);
-    }
-  }
-
-  static KVF_DEVICE float cos_sin_at(const void* cs, int64_t pos, int i) {
-    if constexpr (CS::kBytes == 4) return static_cast<const float*>(cs)[pos * R + i];
-    else return CS::to_float(static_cast<const uint16_t*>(cs)[pos * R + i]);
+    return static_cast<const char*>(cs) + pos * R * VT::CosSin::kBytes;
   }
 
   // ---- main loop: a lane holds two 8-dim chunks of one head -------------------------
-  // With 8-aligned rotary halves a rotary lane holds a chunk and its RoPE partner chunk,
-  // so the rotation needs no exchange; the other lanes hold pass-through chunks, split so
-  // that each load instruction of a head reads whole sectors. Otherwise (e.g. rotary
-  // dim 36) lanes hold adjacent chunks and exchange partners by shuffles. The reference
-  // sums squares in this order (codegen/layout.py: lane_dims).
-  static constexpr bool kAlignedHalves = HALF % kVec == 0;
-  static constexpr int LANES = D / (2 * kVec);               // main-loop lanes per head
-  static constexpr int kRotLanes = kAlignedHalves ? HALF / kVec : 0;
-  static constexpr int kPassHalf = (LPH - 2 * kRotLanes) / 2;  // pass-through pairs
+  // Lane l holds chunks Lanes::chunk(l, 0) and (l, 1) and sums their squares in that
+  // order. A main-loop thread holds kSub of its head's lanes (kvf_args_t::
+  // lanes_per_thread, tuned, at most Lanes::kMaxSub): thread lane l of the head's
+  // LN = LANES / kSub holds lanes l + s * LN, s < kSub (HeadGroup adds them in the
+  // butterfly's order). Per token, a thread's addresses, position, slot, reciprocal and
+  // loop then serve twice the bytes, for half the threads in flight: which pays depends
+  // on the shape (PERF.md, v6.17).
+  static constexpr int LANES = D / (2 * kVec);  // main-loop lanes per head
+  static constexpr int kMaxSub = Lanes::kMaxSub;
   static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "head_dim");
-
-  static KVF_DEVICE int chunk_of(int lane, int i) {
-    if constexpr (kAlignedHalves) {
-      return lane < kRotLanes ? lane + i * kRotLanes : kRotLanes + lane + i * kPassHalf;
-    } else {
-      return 2 * lane + i;
-    }
-  }
-
-  // A main-loop thread holds kSub of its head's lanes (Sub<kSub>; kvf_args_t::
-  // lanes_per_thread, tuned): thread lane l of the head's LN = LANES / kSub holds lanes
-  // l + s * LN, s < kSub. Sub-lanes s and s + kSub / 2 are the lanes LANES / 2 apart that
-  // the norm's butterfly adds first, so a thread adds them itself and the head's sum of
-  // squares is the same sum, in the same order. Per token, a thread's addresses, position,
-  // slot, reciprocal and loop then serve twice the bytes, for half the threads in flight:
-  // which pays depends on the shape (PERF.md, v6.17). Two only with aligned halves: the other
-  // rotation exchanges partners between lanes.
-  static constexpr int kMaxSub = VT::kMaxLanesPerThread;  // codegen/layout.py: max_lanes_per_thread
-  static_assert(kMaxSub == 1 || (kMaxSub == 2 && kAlignedHalves && LANES >= 2), "lanes per thread");
+  static_assert(kMaxSub == 1 || (kMaxSub == 2 && LANES >= 2 && !Lanes::kExchange), "lanes per thread");
   template <int kSub>
-  struct Sub {
-    static_assert(kSub >= 1 && kSub <= kMaxSub, "lanes per thread");
-    static constexpr int LN = LANES / kSub;       // thread lanes per head
-    static constexpr int kChunks = 2 * kSub;      // a thread's chunks per token
-    // Whether sub-lane s of thread lane l is a rotary lane: known at compile time where the
-    // rotary lanes are whole sub-lanes (half rotary: sub-lane 0 rotates, 1 passes through).
-    static KVF_DEVICE bool rotary(int s, int l) {
-      if constexpr (kRotLanes % LN == 0) return s * LN < kRotLanes;
-      else return s * LN + l < kRotLanes;
-    }
-  };
+  static constexpr int LN = LANES / kSub;  // thread lanes per head
 
-  // NeoX rotation of a lane's normalized chunks n into y: y_i = n_i c_i - n_{i+h} s_i,
-  // y_{i+h} = n_{i+h} c_i + n_i s_i, each as one fma of the first product (the reference
-  // rounds the same way). All lanes of the head must call this where the halves are not
-  // aligned (its shuffles; such a thread holds one lane); `rot`: the lane is a rotary one
-  // (aligned halves), `lane`: its index in the head (otherwise).
-  static KVF_DEVICE void rope(const CosSinRaw& csr, const void* cs, int64_t pos, int lane, bool rot,
-                              const float (&n)[2][kVec], float (&y)[2][kVec]) {
-    if constexpr (kAlignedHalves) {
-      (void)cs; (void)pos; (void)lane;
-      if (!rot) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) { y[0][j] = n[0][j]; y[1][j] = n[1][j]; }
-        return;
-      }
-      float c[kVec], s[kVec];
-      unpack_cos_sin(csr, c, s);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        y[0][j] = fmaf(n[0][j], c[j], -(n[1][j] * s[j]));
-        y[1][j] = fmaf(n[1][j], c[j], n[0][j] * s[j]);
-      }
-    } else {
-      // Lane l holds dims [16l, 16l + 16). HALF = 16q + r: the partner of element j sits
-      // q or q + 1 lanes away, at an element index known at compile time (one exchange
-      // for each direction per element). Rare, so cos/sin are read here, value by value.
-      (void)csr; (void)rot;
-      constexpr int E = 2 * kVec, kQ = HALF / E, kR = HALF % E;
-      auto clamp = [](int l) { return l < 0 ? 0 : (l >= LANES ? LANES - 1 : l); };
-      auto elem = [&](int j) { return n[j / kVec][j % kVec]; };
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        // Up: the partner of a first-half dim; down: of a second-half dim.
-        const float up = shfl<LANES>(elem((j + kR) % E), clamp(j + kR < E ? lane + kQ : lane + kQ + 1));
-        const float down = shfl<LANES>(elem((j - kR + E) % E), clamp(j >= kR ? lane - kQ : lane - kQ - 1));
-        const int e = lane * E + j;
-        float& out = y[j / kVec][j % kVec];
-        if (e < HALF) {
-          out = fmaf(elem(j), cos_sin_at(cs, pos, e), -(up * cos_sin_at(cs, pos, HALF + e)));
-        } else if (e < R) {
-          out = fmaf(elem(j), cos_sin_at(cs, pos, e - HALF), down * cos_sin_at(cs, pos, e));
-        } else {
-          out = elem(j);
-        }
-      }
-    }
+  // Whether chunk i of sub-lane s of a thread (its thread lane: `lane`) holds rotary dims.
+  // The lane map puts those on a head's first lanes, so where all lanes of the sub-lane do
+  // or none does this is known at compile time; else it is asked of the lane (not kept:
+  // held across the loop, such flags made FP8 variants spill).
+  template <int kSub>
+  static KVF_DEVICE bool rotates(int s, int i, int lane) {
+    constexpr int ln = LN<kSub>;
+    const int first = Lanes::rotary_lanes(i);
+    if ((s + 1) * ln <= first) return true;
+    if (s * ln >= first) return false;
+    return lane + s * ln < first;
   }
-
-  // K or V values (fp32) of one chunk into a KV cache, quantized as the variant says.
-  template <class C>
-  static KVF_DEVICE void put_kv(const kvf_cache_t& c, float inv, int64_t slot, uint32_t h,
-                                uint32_t d0, const float (&v)[kVec], const uint32_t (&model_bits)[4]) {
-    if constexpr (kKvFp8) {
-      uint32_t w[2];
-      pack_fp8<VT::kFp8, VT::kSaturateKv>(v, inv, w);
-      store_dims<C>(c, slot, h, d0, w);
-    } else {
-      store_dims<C>(c, slot, h, d0, model_bits);
-    }
+  template <int kSub>
+  static KVF_DEVICE Chunks chunks_of(const uint32_t (&d0)[2 * kSub], int s, int lane) {
+    return Chunks{{d0[2 * s], d0[2 * s + 1]}, {rotates<kSub>(s, 0, lane), rotates<kSub>(s, 1, lane)}};
   }
 
   // A scattered V head goes through shared memory (put_v_by_dim) where rows come by
@@ -402,21 +277,17 @@ struct Fused {
   template <int kSub>
   static KVF_DEVICE void put_v_by_dim(const kvf_cache_t& c, float inv, int64_t slot, uint32_t h, int lane,
                                       const uint32_t (&d0)[2 * kSub], const uint4 (&x)[2 * kSub],
-                                      const float (&f)[2 * kSub][kVec]) {
+                                      const float (&f)[kSub][2][kVec]) {
     using C = typename VT::V;
-    constexpr int EB = C::kElemBytes, LN = Sub<kSub>::LN;
+    constexpr int EB = C::kElemBytes, LN = Fused::LN<kSub>;
     __shared__ __align__(16) unsigned char rows[kBlock / LANES][kStageBytes];  // a row per head group
     unsigned char* row = rows[threadIdx.x / LN];
 #pragma unroll
-    for (int i = 0; i < 2 * kSub; ++i) {
-      if constexpr (kKvFp8) {
-        uint32_t w[2];
-        pack_fp8<VT::kFp8, VT::kSaturateKv>(f[i], inv, w);
-        store_bytes<8>(row + d0[i], w, 0);
-      } else {
-        const uint32_t w[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
-        store_bytes<16>(row + d0[i] * 2, w, 0);
-      }
+    for (int c = 0; c < 2 * kSub; ++c) {
+      const uint32_t bits[4] = {x[c].x, x[c].y, x[c].z, x[c].w};
+      uint32_t w[2 * EB];
+      KvQuant::template pack<false>(f[c / 2][c % 2], bits, inv, w);
+      store_bytes<8 * EB>(row + d0[c] * EB, w, 0);
     }
     group_sync<LN>();
     const int64_t page = slot / C::kPageSize;
@@ -452,8 +323,7 @@ struct Fused {
     return hm < nq + main_kv ? hm : hm + 2 * NKV - main_kv;
   }
 
-  // Norm weight k of the call (0 q, 1 k, 2 index_q, 3 index_k; none without an index)
-  // and the factor a normed value is multiplied by: 1 + w (Gemma) or w.
+  // Norm weight k of the call (0 q, 1 k, 2 index_q, 3 index_k; none without an index).
   static KVF_DEVICE const char* norm_weight(const kvf_args_t& a, int k) {
     const void* w = k == 0 ? a.q_norm_weight : k == 1 ? a.k_norm_weight
                   : !kIndex ? nullptr : k == 2 ? a.index_q_norm_weight : a.index_k_norm_weight;
@@ -463,17 +333,16 @@ struct Fused {
   static KVF_DEVICE uint4 weight_chunk(const char* w, int64_t at) {
     return w ? load16(w + at) : make_uint4(0u, 0u, 0u, 0u);
   }
-  static KVF_DEVICE float factor_of(float w) { return VT::kGemma ? 1.0f + w : w; }
-
-  // Where a thread finds the norm factors of its chunks' dims d0[i] .. d0[i] + 7: the
-  // block's copy in shared memory, or its weight in global memory (calls of one pass, see
-  // main_loop).
+  // Where a thread finds the norm factors (Norm::factor of the weight) of its chunk c,
+  // dims d0[c] .. d0[c] + 7: the block's copy in shared memory, or its weight in global
+  // memory (calls of one pass, see main_loop).
+  template <int N>
   struct SharedFactors {
     const float* f;  // the thread's norm's factors
-    template <int N>
-    KVF_DEVICE void get(const uint32_t (&d0)[N], int i, float (&w)[kVec]) const {
+    uint32_t d0[N];
+    KVF_DEVICE void get(int c, float (&w)[kVec]) const {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) w[j] = f[d0[i] + j];
+      for (int j = 0; j < kVec; ++j) w[j] = f[d0[c] + j];
     }
   };
   template <int N>
@@ -481,20 +350,20 @@ struct Fused {
     uint4 raw[N];  // the thread's chunks of its norm weight, loaded when made
     KVF_DEVICE GlobalFactors(const char* weight, const uint32_t (&d0)[N]) {
 #pragma unroll
-      for (int i = 0; i < N; ++i) raw[i] = weight_chunk(weight, d0[i] * 2);
+      for (int c = 0; c < N; ++c) raw[c] = weight_chunk(weight, d0[c] * 2);
     }
-    KVF_DEVICE void get(const uint32_t (&)[N], int i, float (&w)[kVec]) const {
-      unpack8<M>(raw[i], w);
+    KVF_DEVICE void get(int c, float (&w)[kVec]) const {
+      unpack8<M>(raw[c], w);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) w[j] = factor_of(w[j]);
+      for (int j = 0; j < kVec; ++j) w[j] = Norm::factor(w[j]);
     }
   };
 
-  // One token's position, slot and cos/sin rows (one per sub-lane) for a thread, as
-  // loaded (its row chunks are in the shared-memory ring of main_loop).
+  // One token's position, slot and cos/sin (Rope::Raw, one per sub-lane) for a thread, as
+  // loaded (its row chunks are in RowPipe).
   template <int kSub>
   struct Meta {
-    CosSinRaw cs[kSub];
+    typename Rope::Raw cs[kSub];
     int64_t pos, slot;
   };
 
@@ -507,10 +376,10 @@ struct Fused {
   // own line. Staged, lane l of a run's groups stores dims s * P * LPH + half * LPH + l:
   // adjacent vectors, whole lines (PERF.md, v6.5). Only whole 16-byte vectors: an FP8
   // group holds half of one (8 of a run's 16 tokens), so two groups of a warp take one
-  // run's halves (kVPair: it pays where groups have several runs, and costs a little where
-  // none has a second, PERF.md v6.6; staged alone, half vectors were no faster). A
-  // bf16/fp16 group is half a vector only at head_dim 32,
-  // which no variant lists and no test runs, so pairs are FP8's alone. Not on AMD
+  // run's halves (kVPair: unpaired, FP8's runs went unstaged and prefills of 8k-64k
+  // tokens were 4-9% slower, PERF.md s30; staged alone, half vectors were no faster). A
+  // bf16/fp16 group is half a vector only at head_dim 32, which no variant lists and no
+  // test runs, so pairs are FP8's alone. Not on AMD
   // (kStageV): its 32 KB per block would leave a gfx942 CU (64 KB of LDS) one block.
   static constexpr int kVPair =
       VT::V::kElemBytes == 1 && VT::V::kSlotVec == 2 * kVGroup && 2 * LPH <= 32 ? 2 : 1;
@@ -535,7 +404,7 @@ struct Fused {
   struct MainSmem {
     float norm_factors[4][D];
 #if KVF_ASYNC_COPY
-    RowPipe<kRowsAhead, 1>::Ring ring;  // the same at every kSub
+    RowPipe<1>::Ring ring;  // the same at every kSub
 #endif
   };
   static constexpr int kStageVecs = kStageVLoop ? kBlock / LPH / kVPair * D : 1;  // [run][dim], v_stage_pos order
@@ -570,12 +439,12 @@ struct Fused {
   static KVF_DEVICE void main_loop(const kvf_args_t& a, const Dims& dims, int block, Smem& smem) {
     constexpr int kMeta = kDepth;
     constexpr int kCsAhead = kDepth - 1;
-    constexpr int LN = Sub<kSub>::LN, kChunks = Sub<kSub>::kChunks;
+    constexpr int LN = Fused::LN<kSub>, kChunks = 2 * kSub;
     float (&norm_factors)[4][D] = smem.u.main.norm_factors;
 #if KVF_ASYNC_COPY
-    RowPipe<kRowsAhead, kSub> pipe{smem.u.main.ring};
+    RowPipe<kSub> pipe{smem.u.main.ring};
 #else
-    RowPipe<kRowsAhead, kSub> pipe;
+    RowPipe<kSub> pipe;
 #endif
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
@@ -593,17 +462,18 @@ struct Fused {
     const int lane = within % LN;
     const Role r = role_of(within / LN, a.num_heads, a.num_index_heads, dims.main_kv_heads);
     const int row_head = row_head_of(within / LN, a.num_heads, dims.main_kv_heads);
-    uint32_t d0[kChunks];  // chunk 2s + i: chunk i of sub-lane s
+    uint32_t d0[kChunks];  // chunk 2s + i: chunk i of sub-lane s, its first dim
     int at[kChunks];       // its bytes from the first
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) d0[c] = uint32_t(chunk_of(lane + c / 2 * LN, c % 2) * kVec);
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) at[c] = int(d0[c] - d0[0]) * 2;
+    for (int c = 0; c < kChunks; ++c) {
+      d0[c] = uint32_t(Lanes::chunk(lane + c / 2 * LN, c % 2) * kVec);
+      at[c] = int(d0[c] - d0[0]) * 2;
+    }
     const bool kv = r.kind == kK || r.kind == kV;
     const int64_t* slots = kv ? a.slot_mapping : a.index_slot_mapping;
     const int64_t nslots = kv ? a.num_slots : a.num_index_slots;
     const bool has_slot = kv || r.kind == kIK;
-    auto needs_cs = [&](int s) { return kAlignedHalves && r.kind != kV && Sub<kSub>::rotary(s, lane); };
+    auto needs_cs = [&](int s) { return r.kind != kV && (rotates<kSub>(s, 0, lane) || rotates<kSub>(s, 1, lane)); };
     const char* row0 = static_cast<const char*>(a.qkv) + (int64_t(row_head) * D + d0[0]) * 2;
     const int64_t first = dims.tile * (gid / tile_lanes) + in_tile / LN % dims.tile;  // the thread's first token
     // Copies into shared memory go out only for tokens the loop processes, so none is
@@ -629,7 +499,8 @@ struct Fused {
       m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
 #pragma unroll
       for (int s = 0; s < kSub; ++s)
-        m.cs[s] = needs_cs(s) && m.pos >= 0 ? load_cos_sin(a.cos_sin, m.pos, (lane + s * LN) * kVec) : CosSinRaw{};
+        m.cs[s] = needs_cs(s) && m.pos >= 0 ? Rope::load(cos_sin_row(a.cos_sin, m.pos), chunks_of<kSub>(d0, s, lane))
+                                            : typename Rope::Raw{};
     };
     // While the previous kernel runs, warm L2 with what the first token needs: its row
     // chunks, position and slot, the cos/sin row at the position as read now (the
@@ -641,17 +512,12 @@ struct Fused {
       for (int c = 0; c < kChunks; ++c) prefetch_l2(row0 + first * a.qkv_row_stride * 2 + at[c]);
       prefetch_l2(a.positions + first);
       if (has_slot && first < nslots) prefetch_l2(slots + first);
-      if (needs_cs(0)) {  // the rotary lanes come first: sub-lane 0 is one if any is
+      if (needs_cs(0)) {  // the lane map puts rotary dims first: sub-lane 0 has some if any has
         const int64_t p = load_l2(a.positions + first);
         if (p >= 0 && p < a.max_pos) {
-          const char* row = cos_sin_row(a.cos_sin, p);
 #pragma unroll
-          for (int s = 0; s < kSub; ++s) {
-            if (needs_cs(s)) {
-              prefetch_l2(row + (lane + s * LN) * kVec * CS::kBytes);
-              prefetch_l2(row + (HALF + (lane + s * LN) * kVec) * CS::kBytes);
-            }
-          }
+          for (int s = 0; s < kSub; ++s)
+            if (needs_cs(s)) Rope::prefetch(cos_sin_row(a.cos_sin, p), chunks_of<kSub>(d0, s, lane));
         }
       }
     }
@@ -665,24 +531,23 @@ struct Fused {
     // writes are visible. Everything above, overlapping its tail, is arithmetic on the
     // arguments and the L2 prefetches.
     wait_prior_grid();
-#pragma unroll
-    for (int k = 0; k < kRowsAhead; ++k) request_rows(k);
+    request_rows(0);
     Meta<kSub> q[kMeta + 1];  // q[k]: the token k steps ahead of the one being computed
 #pragma unroll
     for (int k = 0; k < kMeta; ++k) fetch(q[k], first + k * tpp);
     // The thread's cache scale (its head is fixed), in flight beside the rows.
     const float kv_scale = idle          ? 1.0f
-                         : r.kind == kK ? scale_of<VT::kKvScale>(a.k_scale, r.head)
-                         : r.kind == kV ? scale_of<VT::kKvScale>(a.v_scale, r.head)
+                         : r.kind == kK ? KvQuant::scale(a.k_scale, r.head)
+                         : r.kind == kV ? KvQuant::scale(a.v_scale, r.head)
                                         : 1.0f;
     const int wk = r.kind - (r.kind > kV);  // the thread's norm (V lanes have none: unused)
     auto step = [&](int64_t t, const auto& factors, bool meet_barrier = false) {
       // Register rows go out after the loads this token waits for: AMD retires loads in
       // order, so waiting for the cos/sin would otherwise wait for the next rows too.
-      if constexpr (KVF_ASYNC_COPY) request_rows(kRowsAhead);
+      if constexpr (KVF_ASYNC_COPY) request_rows(1);
       fetch(q[kMeta], t + kMeta * tpp);
       fetch_cos_sin(q[kCsAhead]);
-      if constexpr (!KVF_ASYNC_COPY) request_rows(kRowsAhead);
+      if constexpr (!KVF_ASYNC_COPY) request_rows(1);
 #if KVF_SPLIT_BARRIER
       if (meet_barrier) split_barrier();  // the norm factors' (see the loop)
 #endif
@@ -729,13 +594,7 @@ struct Fused {
       float f[kVec];
       unpack8<M>(weight_chunk(w, i % LPH * 16), f);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) norm_factors[i / LPH][i % LPH * kVec + j] = factor_of(f[j]);
-    }
-    // Depth 2's first cos/sin go out before the barrier, so that their trip overlaps its
-    // wait (measured within the noise either way: PERF.md, v6.12).
-    if (!idle) {
-#pragma unroll
-      for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
+      for (int j = 0; j < kVec; ++j) norm_factors[i / LPH][i % LPH * kVec + j] = Norm::factor(f[j]);
     }
     // The barrier after which the norm factors are in shared memory. Where a thread may
     // meet it at another instruction than its neighbours (KVF_SPLIT_BARRIER), a thread
@@ -750,72 +609,61 @@ struct Fused {
     __syncthreads();
     if (idle) return;
 #endif
-    const SharedFactors shared{r.kind == kV ? nullptr : norm_factors[wk]};
+    // Depth 2's first cos/sin (a thread that meets a split barrier meets it in its first
+    // step, after these are out; before the barrier's wait they measured the same).
+#pragma unroll
+    for (int k = 0; k < kCsAhead; ++k) fetch_cos_sin(q[k]);
+    SharedFactors<kChunks> shared{r.kind == kV ? nullptr : norm_factors[wk], {}};
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) shared.d0[c] = d0[c];
     for (int64_t t = first; t < a.num_tokens; t += tpp) step(t, shared, KVF_SPLIT_BARRIER && t == first);
   }
 
   // One token of a thread: its chunks x (chunk 2s + i: chunk i of sub-lane s, dims d0).
   template <int kSub, class Factors>
   static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const uint32_t (&d0)[2 * kSub],
-                                 const Factors& factors, float kv_inv, int64_t t, const uint4 (&x)[2 * kSub],
-                                 const Meta<kSub>& m) {
-    constexpr int kChunks = 2 * kSub, LN = Sub<kSub>::LN;
-    const int64_t slot = m.slot;
+                                 const Factors& factors, float kv_inv, int64_t t,
+                                 const uint4 (&x)[2 * kSub], const Meta<kSub>& m) {
     const int kind = role.kind, head = role.head;
-    float f[kChunks][kVec];
+    float f[kSub][2][kVec];
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) unpack8<M>(x[c], f[c]);
+    for (int c = 0; c < 2 * kSub; ++c) unpack8<M>(x[c], f[c / 2][c % 2]);
     if (kind == kV) {
-      if (m.pos < 0 || !slot_ok<typename VT::V>(a.v_cache, slot)) return;
+      if (m.pos < 0 || !slot_ok<typename VT::V>(a.v_cache, m.slot)) return;
       if constexpr (kStageV) {
-        put_v_by_dim<kSub>(a.v_cache, kv_inv, slot, head, lane, d0, x, f);
+        put_v_by_dim<kSub>(a.v_cache, kv_inv, m.slot, head, lane, d0, x, f);
       } else {
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
+        for (int c = 0; c < 2 * kSub; ++c) {
           const uint32_t bits[4] = {x[c].x, x[c].y, x[c].z, x[c].w};
-          put_kv<typename VT::V>(a.v_cache, kv_inv, slot, head, d0[c], f[c], bits);
+          store_chunk<KvQuant, false, typename VT::V>(a.v_cache, m.slot, head, d0[c], f[c / 2][c % 2], bits, kv_inv);
         }
       }
       return;
     }
-    // RMSNorm over the head: a lane's 16 squares in sequence, then a butterfly whose first
-    // steps a thread of several lanes takes itself (Sub).
-    float ss[kSub];
+    const float inv = Norm::template inv_rms<D, kSub>(f, HeadGroup<kSub, LN<kSub>>{}, a.eps);
+    const char* cs_row = cos_sin_row(a.cos_sin, m.pos >= 0 ? m.pos : 0);
 #pragma unroll
     for (int s = 0; s < kSub; ++s) {
-      ss[s] = 0.f;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) ss[s] = fmaf(f[2 * s + i][j], f[2 * s + i][j], ss[s]);
-      }
-    }
-#pragma unroll
-    for (int h = kSub / 2; h >= 1; h /= 2) {
-#pragma unroll
-      for (int s = 0; s < h; ++s) ss[s] += ss[s + h];
-    }
-    float sum = ss[0];
-#pragma unroll
-    for (int sh = LN / 2; sh >= 1; sh /= 2) sum += shfl_xor<LN>(sum, sh);
-    const float inv = 1.0f / sqrtf(sum / float(D) + a.eps);
-#pragma unroll
-    for (int s = 0; s < kSub; ++s) {
-      float n[2][kVec], y[2][kVec];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float w[kVec];
-        factors.get(d0, 2 * s + i, w);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) n[i][j] = (f[2 * s + i][j] * inv) * w[j];
-      }
-      rope(m.cs[s], a.cos_sin, m.pos >= 0 ? m.pos : 0, lane, Sub<kSub>::rotary(s, lane), n, y);
+      Norm::apply(f[s], inv, factors, s);
+      const Chunks ch = chunks_of<kSub>(d0, s, lane);
+      Rope::apply(m.cs[s], cs_row, lane, ch, f[s]);
       if (m.pos < 0) {  // no cos/sin row (SPEC §1): zeros to q_out and index_q_out, no cache write
         if (kind == kQ || kind == kIQ) store_zero_rows<kSub>(a, kind, head, t, d0);
         return;
       }
-      store_normed<kSub>(a, kind, head, slot, kv_inv, t, d0, s, y);
+      store_normed(a, kind, head, m.slot, kv_inv, t, ch.d0, f[s]);
     }
+  }
+
+  // Chunk values y (fp32; `bits`: their model-dtype rounding) of one (slot, head) into a
+  // cache, as Q stores them (quantized from the rounding where kFromRounded).
+  template <class Q, bool kFromRounded, class C>
+  static KVF_DEVICE void store_chunk(const kvf_cache_t& c, int64_t slot, uint32_t h, uint32_t d0,
+                                     const float (&y)[kVec], const uint32_t (&bits)[4], float inv) {
+    uint32_t w[2 * Q::kBytes];
+    Q::template pack<kFromRounded>(y, bits, inv, w);
+    store_dims<C>(c, slot, h, d0, w);
   }
 
   // Zeros in every chunk of the thread's q_out or index_q_out row: a token without a cos/sin
@@ -830,59 +678,40 @@ struct Fused {
       if (kind == kQ) {
         store_bytes<16>(static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + d0[c]) * 2, zero, 0);
       } else {
+        constexpr int EB = IndexQuant::kBytes;
         const int64_t e = (t * a.num_index_heads + head) * D + d0[c];
-        if constexpr (VT::kIndexFp8) store_bytes<8>(static_cast<char*>(a.index_q_out) + e, zero, 0);
-        else store_bytes<16>(static_cast<char*>(a.index_q_out) + e * 2, zero, 0);
+        store_bytes<8 * EB>(static_cast<char*>(a.index_q_out) + e * EB, zero, 0);
       }
     }
   }
 
-  // Sub-lane s's rotated values y (chunks 2s, 2s + 1) to q_out or a cache.
-  template <int kSub>
+  // One lane's rotated values y (dims d0[i] ..) to q_out or a cache: q_out and index_q_out
+  // rows are [T, heads, D] contiguous; K and index_k go to their caches as the variant
+  // quantizes them.
   static KVF_DEVICE void store_normed(const kvf_args_t& a, int kind, int head, int64_t slot, float kv_inv, int64_t t,
-                                      const uint32_t (&d0)[2 * kSub], int s, const float (&y)[2][kVec]) {
+                                      const uint32_t (&d0)[2], const float (&y)[2][kVec]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const uint32_t dc = d0[2 * s + i];
-      // The model-dtype rounding (q_out, K, index_k); FP8 quantizes it where the unfused
-      // path does (kRoundBeforeQuant). Unpacked only in those branches: shared, it made
-      // the compiler round every lane's values one by one (F2F, a slow pipe) instead of
-      // in pairs (FP8 SHUFFLE; PERF.md, v6.9).
+      // The model-dtype rounding (q_out, and K and index_k where the contract quantizes
+      // it). Unpacked only in the stores that use it: shared, it made the compiler round
+      // every lane's values one by one (F2F, a slow pipe) instead of in pairs (FP8 SHUFFLE;
+      // PERF.md, v6.9).
       uint32_t bits[4];
       pack_model<M>(y[i], bits);
-      auto quant_src = [&](float (&r)[kVec]) {
-        if constexpr (VT::kRoundBeforeQuant) unpack8<M>(make_uint4(bits[0], bits[1], bits[2], bits[3]), r);
-        else for (int j = 0; j < kVec; ++j) r[j] = y[i][j];
-      };
       if (kind == kQ) {
-        char* dst = static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + dc) * 2;
-        store_bytes<16>(dst, bits, 0);
+        store_bytes<16>(static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + d0[i]) * 2, bits, 0);
       } else if (kind == kK) {
-        if (slot_ok<typename VT::K>(a.k_cache, slot)) {
-          float r[kVec];
-          quant_src(r);
-          put_kv<typename VT::K>(a.k_cache, kv_inv, slot, head, dc, r, bits);
-        }
+        if (slot_ok<typename VT::K>(a.k_cache, slot))
+          store_chunk<KvQuant, VT::kRoundBeforeQuant, typename VT::K>(a.k_cache, slot, head, d0[i], y[i], bits, kv_inv);
       } else if (kind == kIQ) {
-        char* base = static_cast<char*>(a.index_q_out);
-        const int64_t e = (t * a.num_index_heads + head) * D + dc;
-        if constexpr (VT::kIndexFp8) {
-          uint32_t q[2];
-          pack_fp8<VT::kFp8, true>(y[i], 1.0f, q);  // straight from fp32
-          store_bytes<8>(base + e, q, 0);
-        } else {
-          store_bytes<16>(base + e * 2, bits, 0);
-        }
+        constexpr int EB = IndexQuant::kBytes;
+        uint32_t w[2 * EB];
+        IndexQuant::template pack<false>(y[i], bits, 1.0f, w);  // SPEC §1: FP8 straight from fp32
+        store_bytes<8 * EB>(static_cast<char*>(a.index_q_out) + ((t * a.num_index_heads + head) * D + d0[i]) * EB,
+                            w, 0);
       } else if (slot_ok<typename VT::Index>(a.index_cache, slot)) {
-        if constexpr (VT::kIndexFp8) {
-          float r[kVec];
-          quant_src(r);
-          uint32_t q[2];
-          pack_fp8<VT::kFp8, true>(r, 1.0f, q);
-          store_dims<typename VT::Index>(a.index_cache, slot, 0, dc, q);
-        } else {
-          store_dims<typename VT::Index>(a.index_cache, slot, 0, dc, bits);
-        }
+        store_chunk<IndexQuant, VT::kRoundBeforeQuant, typename VT::Index>(a.index_cache, slot, 0, d0[i], y[i], bits,
+                                                                           1.0f);
       }
     }
   }
@@ -946,20 +775,14 @@ struct Fused {
         whole = run && (half == 0 ? s0 % (2 * G) == 0 : s0 == run_s0 + G);
         whole &= shfl_xor<2 * LPH>(whole, LPH);
       }
-      const float inv = kKvFp8 ? 1.0f / scale_of<VT::kKvScale>(a.v_scale, h) : 1.0f;
+      const float inv = 1.0f / KvQuant::scale(a.v_scale, h);
       uint32_t w[G][kWords];
 #pragma unroll
       for (int k2 = 0; k2 < G; ++k2) {
-        if constexpr (kKvFp8) {
-          float f[kVec];
-          unpack8<M>(raw[k2], f);
-          uint32_t q[2];
-          pack_fp8<VT::kFp8, VT::kSaturateKv>(f, inv, q);
-          w[k2][0] = q[0];
-          w[k2][1] = q[1];
-        } else {
-          w[k2][0] = raw[k2].x; w[k2][1] = raw[k2].y; w[k2][2] = raw[k2].z; w[k2][3] = raw[k2].w;
-        }
+        const uint32_t bits[4] = {raw[k2].x, raw[k2].y, raw[k2].z, raw[k2].w};
+        float f[kVec];
+        if constexpr (kKvFp8) unpack8<M>(raw[k2], f);
+        KvQuant::template pack<false>(f, bits, inv, w[k2]);
       }
       if (run) {
         constexpr int kOut = (NB + 3) / 4;

@@ -1,0 +1,122 @@
+"""The main loop's lane map: which dims of a head each kernel lane holds.
+
+A main-loop lane holds two VEC-dim chunks of one head (32 bytes of the row) and sums
+their squares in that order; a head is `lanes` lanes, and a thread may hold `max_sub`
+of them (lane l + s * lanes / kSub as its sub-lane s). Where the chunks go is the rotary
+style's to say:
+
+- NeoX with VEC-aligned rotary halves: a rotary lane holds a chunk and its partner chunk
+  (h / VEC further), so it rotates alone; the pass-through chunks are split in two
+  halves so that each load instruction of a head reads whole sectors.
+- NeoX otherwise (e.g. rotary dim 36): adjacent chunks, partners exchanged between
+  lanes by shuffles (`exchange`), one lane per thread.
+
+This module is the only statement of the map: the reference sums squares in `dims`'
+order, and render.py emits `chunk` and `rotary_lanes` into each variant's traits
+(Traits::Lanes), which the kernel header reads and never restates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+from .layout import VEC
+from .model import Rope, Variant
+
+@dataclass(frozen=True)
+class Segment:
+    """Lanes [first, end): chunk i of lane l is base + slope * l + step * i."""
+
+    first: int
+    end: int
+    base: int
+    slope: int
+    step: int
+
+
+@dataclass(frozen=True)
+class LaneMap:
+    head_dim: int
+    rotary_dim: int
+    rope: Rope
+    chunks: tuple[tuple[int, int], ...]  # per lane: its two chunks, in summation order
+    exchange: bool                       # NeoX partners in other lanes (shuffles)
+
+    @property
+    def lanes(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def max_sub(self) -> int:
+        """The most lanes one thread may hold (the tuner tries each count up to it): one
+        where partners are exchanged between lanes or a head has a single lane."""
+        return 1 if self.exchange or self.lanes < 2 else 2
+
+    @cached_property
+    def dims(self) -> tuple[tuple[int, ...], ...]:
+        """Each lane's dims in the order it sums their squares."""
+        return tuple(tuple(d for c in pair for d in range(c * VEC, c * VEC + VEC)) for pair in self.chunks)
+
+    @cached_property
+    def rotary_lanes(self) -> tuple[int, int]:
+        """(T0, T1): chunk i of lane l holds rotary dims exactly when l < T_i (every map
+        puts the rotary chunks on the first lanes). The kernel asks this of a thread's
+        lane; where it is the same for all of a sub-lane's lanes, at compile time."""
+        out = tuple(sum(self.chunks[l][i] * VEC < self.rotary_dim for l in range(self.lanes)) for i in range(2))
+        for l in range(self.lanes):
+            for i in range(2):
+                if (self.chunks[l][i] * VEC < self.rotary_dim) != (l < out[i]):
+                    raise AssertionError(f"lane map {self.chunks}: rotary chunks not on the first lanes")
+        return out
+
+    @cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """The map as few affine pieces (what the kernel evaluates), proven equal to it."""
+        out: list[Segment] = []
+        l = 0
+        while l < self.lanes:
+            c0, c1 = self.chunks[l]
+            slope = self.chunks[l + 1][0] - c0 if l + 1 < self.lanes else 1
+            seg = Segment(l, l + 1, c0 - slope * l, slope, c1 - c0)
+            while seg.end < self.lanes and _at(seg, seg.end) == self.chunks[seg.end]:
+                seg = Segment(seg.first, seg.end + 1, seg.base, seg.slope, seg.step)
+            out.append(seg)
+            l = seg.end
+        assert all(_at(next(s for s in out if s.first <= l < s.end), l) == self.chunks[l]
+                   for l in range(self.lanes))
+        return tuple(out)
+
+    def chunk_cpp(self) -> str:
+        """`chunk(lane, i)`'s body expression for the traits (render.py)."""
+        def piece(s: Segment) -> str:
+            terms = [str(s.base)] if s.base else []
+            terms.append("lane" if s.slope == 1 else f"{s.slope} * lane")
+            terms.append("i" if s.step == 1 else f"{s.step} * i")
+            return " + ".join(terms)
+        expr = piece(self.segments[-1])
+        for s in reversed(self.segments[:-1]):
+            expr = f"lane < {s.end} ? {piece(s)} : {expr}"
+        return expr
+
+
+def _at(s: Segment, lane: int) -> tuple[int, int]:
+    c = s.base + s.slope * lane
+    return c, c + s.step
+
+
+@lru_cache(maxsize=None)
+def lane_map(head_dim: int, rotary_dim: int, rope: Rope) -> LaneMap:
+    chunks, half, lanes = head_dim // VEC, rotary_dim // 2, head_dim // (2 * VEC)
+    if half % VEC:
+        return LaneMap(head_dim, rotary_dim, rope, tuple((2 * l, 2 * l + 1) for l in range(lanes)), True)
+    else:
+        rot = half // VEC
+        first = [(i, i + rot) for i in range(rot)]
+    rest = (chunks - 2 * rot) // 2
+    pairs = first + [(2 * rot + k, 2 * rot + k + rest) for k in range(rest)]
+    return LaneMap(head_dim, rotary_dim, rope, tuple(pairs), False)
+
+
+def lane_map_of(v: Variant) -> LaneMap:
+    """The variant's lane map."""
+    return lane_map(v.head_dim, v.rotary_dim, v.rope)

@@ -1,0 +1,234 @@
+// The math of the fused prologue (SPEC §1), as small policies a variant's traits select:
+// Norm (RmsNorm: Gemma or plain), Rope (NeoX) and Quant (the model dtype, FP8 at a
+// scale). A policy sees a thread's values of one head in registers, the dims its lanes
+// hold (d0: the first dim of each 8-dim chunk, from the traits' lane map) and, where it
+// needs one, a reduction over the head's lanes (Group); it never sees the memory schedule
+// (fused_qknorm_rope_cache.cuh), which asks it what to load and when.
+#pragma once
+
+#include <type_traits>
+
+#include "kvforge/hip_compat.h"
+
+namespace kvf {
+
+constexpr int kVec = 8;  // model-dtype elements per chunk (16 bytes); a lane holds two
+
+enum class Scale { None, Unit, PerTensor, PerHead };
+
+// ---- element packing -----------------------------------------------------------------
+template <class M>
+KVF_DEVICE void unpack8(const uint4& raw, float (&f)[kVec]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = M::to_float(w[i] & 0xffffu);
+    f[2 * i + 1] = M::to_float(w[i] >> 16);
+  }
+}
+
+template <class M>
+KVF_DEVICE void pack_model(const float (&f)[kVec], uint32_t (&w)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = M::from_float(f[2 * i]) | (M::from_float(f[2 * i + 1]) << 16);
+}
+
+// value * inv_scale to FP8, saturating to the format's max or (passthrough) with
+// out-of-range values as NaN.
+template <Fp8 F, bool Saturate>
+KVF_DEVICE void pack_fp8(const float (&f)[kVec], float inv_scale, uint32_t (&w)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    w[i] = fp8x2_from_float<F, Saturate>(f[4 * i] * inv_scale, f[4 * i + 1] * inv_scale) |
+           (fp8x2_from_float<F, Saturate>(f[4 * i + 2] * inv_scale, f[4 * i + 3] * inv_scale) << 16);
+  }
+}
+
+// ---- Norm -----------------------------------------------------------------------------
+// RMSNorm of a head, fp32: x * rsqrt(mean(x^2) + eps) * factor(w). A lane sums its 16
+// squares in sequence (one fma each, in its chunks' order), then `group` adds the lanes
+// (runtime/reference.py: sum_of_squares, in the same order).
+template <bool kGemma>
+struct RmsNorm {
+  static KVF_DEVICE float factor(float w) { return kGemma ? 1.0f + w : w; }
+
+  // 1 / rms of the head whose chunks x[s][i] (chunk i of lane s) a thread holds.
+  template <int kHeadDim, int kSub, class Group>
+  static KVF_DEVICE float inv_rms(const float (&x)[kSub][2][kVec], const Group& group, float eps) {
+    float ss[kSub];
+#pragma unroll
+    for (int s = 0; s < kSub; ++s) {
+      ss[s] = 0.f;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) ss[s] = fmaf(x[s][i][j], x[s][i][j], ss[s]);
+      }
+    }
+    return 1.0f / sqrtf(group.sum(ss) / float(kHeadDim) + eps);
+  }
+
+  // Lane s's chunks normalized in place (w.get(2s + i, f): chunk i's factors). Called lane
+  // by lane just before the lane's rotation and stores: normalizing every lane first kept
+  // more values live and made FP8 variants at two lanes per thread spill.
+  template <class Factors>
+  static KVF_DEVICE void apply(float (&x)[2][kVec], float inv, const Factors& w, int s) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float f[kVec];
+      w.get(2 * s + i, f);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) x[i][j] = (x[i][j] * inv) * f[j];
+    }
+  }
+};
+
+// ---- Rope -----------------------------------------------------------------------------
+// A policy rotates one lane's two chunks (Chunks: their first dims and whether they hold
+// rotary dims, from the lane map) at a position whose cos/sin row it loaded ahead (Raw,
+// left in flight until apply): Raw load(row, ch), prefetch(row, ch) into L2, apply(raw,
+// row, lane, ch, n) in place. A row is [cos | sin], R values each half R/2. Each output
+// is one fma of its first product (the reference rounds the same way).
+struct Chunks {
+  uint32_t d0[2];
+  bool rot[2];
+};
+
+// N consecutive cos or sin values as loaded: 8 or 16 bytes for bf16/fp16 (N = 4, 8), 16
+// or 32 for fp32, in the fewest vector loads.
+template <class CS, int N>
+struct CsRun {
+  static constexpr int kWords = N * CS::kBytes / 4;
+  uint32_t w[kWords];
+  KVF_DEVICE void load(const char* p) {
+    if constexpr (kWords % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < kWords / 4; ++i) {
+        const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+        w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+      }
+    } else {
+      static_assert(kWords == 2, "cos/sin run");
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      w[0] = v.x; w[1] = v.y;
+    }
+  }
+  KVF_DEVICE float at(int j) const {
+    if constexpr (CS::kBytes == 4) return bits_to_float(w[j]);
+    else return CS::to_float(j % 2 ? w[j / 2] >> 16 : w[j / 2] & 0xffffu);
+  }
+};
+
+struct NoCosSin {};  // a rotation that reads its cos/sin at apply
+
+template <class CS>
+KVF_DEVICE float cos_sin_at(const char* row, int i) {
+  if constexpr (CS::kBytes == 4) return reinterpret_cast<const float*>(row)[i];
+  else return CS::to_float(reinterpret_cast<const uint16_t*>(row)[i]);
+}
+
+// NeoX: y_i = n_i c_i - n_{i+h} s_i, y_{i+h} = n_{i+h} c_i + n_i s_i. Where the halves
+// are 8-aligned the lane map gives a rotary lane a chunk and its partner (chunk 0 in the
+// first half), so it rotates alone; otherwise (kExchange) lanes hold adjacent chunks and
+// swap partners by shuffles, every lane of the head calling apply (one lane per thread).
+template <class VT>
+struct NeoxRope {
+  using CS = typename VT::CosSin;
+  static constexpr int R = VT::kRotaryDim, HALF = R / 2, LANES = VT::kHeadDim / (2 * kVec);
+  static constexpr bool kExchange = VT::Lanes::kExchange;
+  static_assert(kExchange == (HALF % kVec != 0), "codegen/lanes.py pairs NeoX partners in a lane when aligned");
+  struct Halves {
+    CsRun<CS, kVec> c, s;
+  };
+  using Raw = std::conditional_t<kExchange, NoCosSin, Halves>;
+
+  static KVF_DEVICE Raw load(const char* row, const Chunks& ch) {
+    Raw r;
+    if constexpr (!kExchange) {
+      if (ch.rot[0]) {
+        r.c.load(row + ch.d0[0] * CS::kBytes);
+        r.s.load(row + (HALF + ch.d0[0]) * CS::kBytes);
+      }
+    }
+    return r;
+  }
+  static KVF_DEVICE void prefetch(const char* row, const Chunks& ch) {
+    if (!kExchange && ch.rot[0]) {
+      prefetch_l2(row + ch.d0[0] * CS::kBytes);
+      prefetch_l2(row + (HALF + ch.d0[0]) * CS::kBytes);
+    }
+  }
+
+  static KVF_DEVICE void apply(const Raw& r, const char* row, int lane, const Chunks& ch,
+                               float (&n)[2][kVec]) {
+    if constexpr (!kExchange) {
+      if (!ch.rot[0]) return;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float c = r.c.at(j), s = r.s.at(j), a = n[0][j], b = n[1][j];
+        n[0][j] = fmaf(a, c, -(b * s));
+        n[1][j] = fmaf(b, c, a * s);
+      }
+    } else {
+      // Lane l holds dims [16l, 16l + 16). HALF = 16q + r: the partner of element j sits
+      // q or q + 1 lanes away, at an element index known at compile time (one exchange
+      // for each direction per element). Rare, so cos/sin are read here, value by value.
+      constexpr int E = 2 * kVec, kQ = HALF / E, kR = HALF % E;
+      auto clamp = [](int l) { return l < 0 ? 0 : (l >= LANES ? LANES - 1 : l); };
+      float x[E];
+#pragma unroll
+      for (int j = 0; j < E; ++j) x[j] = n[j / kVec][j % kVec];
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        // Up: the partner of a first-half dim; down: of a second-half dim.
+        const float up = shfl<LANES>(x[(j + kR) % E], clamp(j + kR < E ? lane + kQ : lane + kQ + 1));
+        const float down = shfl<LANES>(x[(j - kR + E) % E], clamp(j >= kR ? lane - kQ : lane - kQ - 1));
+        const int e = lane * E + j;
+        float& out = n[j / kVec][j % kVec];
+        if (e < HALF) out = fmaf(x[j], cos_sin_at<CS>(row, e), -(up * cos_sin_at<CS>(row, HALF + e)));
+        else if (e < R) out = fmaf(x[j], cos_sin_at<CS>(row, e - HALF), down * cos_sin_at<CS>(row, e));
+      }
+    }
+  }
+};
+
+// ---- Quant ----------------------------------------------------------------------------
+// How a chunk of values is stored: pack<kFromRounded>(y, bits, inv, w) gives the words of
+// its 8 elements (kBytes each) from the fp32 values y or, kFromRounded, from their
+// model-dtype rounding `bits` (SPEC §1: round_before_quant); inv is 1 / scale(...).
+
+// The model dtype: the rounding itself.
+template <class M>
+struct AsModel {
+  static constexpr int kBytes = 2;
+  static KVF_DEVICE float scale(const float*, uint32_t) { return 1.0f; }
+  template <bool kFromRounded>
+  static KVF_DEVICE void pack(const float (&)[kVec], const uint32_t (&bits)[4], float, uint32_t (&w)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = bits[i];
+  }
+};
+
+// FP8 at a scale of the call (per tensor: [1], per head: [nkv]) or 1 (Unit), saturating or
+// (passthrough) with out-of-range values as NaN.
+template <class M, Fp8 F, Scale S, bool kSaturate>
+struct AsFp8 {
+  static constexpr int kBytes = 1;
+  static KVF_DEVICE float scale(const float* p, uint32_t h) {
+    if constexpr (S == Scale::PerTensor) return p[0];
+    else if constexpr (S == Scale::PerHead) return p[h];
+    else return 1.0f;
+  }
+  template <bool kFromRounded>
+  static KVF_DEVICE void pack(const float (&y)[kVec], const uint32_t (&bits)[4], float inv, uint32_t (&w)[2]) {
+    if constexpr (kFromRounded) {
+      float r[kVec];
+      unpack8<M>(make_uint4(bits[0], bits[1], bits[2], bits[3]), r);
+      pack_fp8<F, kSaturate>(r, inv, w);
+    } else {
+      pack_fp8<F, kSaturate>(y, inv, w);
+    }
+  }
+};
+
+}  // namespace kvf

@@ -1,0 +1,59 @@
+"""The main loop's lane map (codegen/lanes.py): the one statement of which dims a kernel
+lane holds, checked here and emitted into every variant's traits."""
+import itertools
+
+import pytest
+
+from kvforge.codegen.lanes import VEC, lane_map
+from kvforge.codegen.model import Rope
+from kvforge.codegen.render import render_variant
+from kvforge.runtime.registry import spec
+
+SHAPES = [(d, r) for d in (16, 32, 64, 128, 256) for r in range(2, d + 1, 2)]
+
+
+def evaluate(cpp: str, lane: int, i: int) -> int:
+    """The emitted `chunk` body ("lane < 4 ? lane + 4 * i : 4 + lane + 2 * i"), evaluated."""
+    cond, sep, rest = cpp.partition(" ? ")
+    if not sep:
+        return eval(cpp, {}, {"lane": lane, "i": i})  # noqa: S307 - our own emitted arithmetic
+    then, _, other = rest.partition(" : ")
+    return evaluate(then if eval(cond, {}, {"lane": lane}) else other, lane, i)  # noqa: S307
+
+
+@pytest.mark.parametrize("rope", list(Rope), ids=str)
+def test_every_lane_map_holds_each_chunk_once_and_the_emitted_code_is_the_map(rope):
+    for d, r in SHAPES:
+        m = lane_map(d, r, rope)
+        assert sorted(c for pair in m.chunks for c in pair) == list(range(d // VEC)), (d, r)
+        assert [tuple(evaluate(m.chunk_cpp(), l, i) for i in range(2)) for l in range(m.lanes)] == list(m.chunks)
+        first = m.rotary_lanes  # proven in LaneMap (it raises otherwise); restated here
+        for l, i in itertools.product(range(m.lanes), range(2)):
+            assert (m.chunks[l][i] * VEC < r) == (l < first[i]), (d, r, l, i)
+
+
+@pytest.mark.parametrize("d,r", [(128, 64), (128, 48), (256, 128), (64, 16)])
+def test_neox_with_aligned_halves_gives_a_rotary_lane_its_partner(d, r):
+    """A rotary lane rotates alone: its second chunk is its first's partner, h / 8 on."""
+    m = lane_map(d, r, Rope.NEOX)
+    assert not m.exchange
+    for c0, c1 in m.chunks[:m.rotary_lanes[0]]:
+        assert c1 == c0 + r // 2 // VEC and c0 * VEC < r // 2
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim,rope,most", [
+    (128, 64, Rope.NEOX, 2), (128, 128, Rope.NEOX, 2), (128, 48, Rope.NEOX, 2), (128, 40, Rope.NEOX, 1),
+    (128, 36, Rope.NEOX, 1), (64, 32, Rope.NEOX, 2), (32, 16, Rope.NEOX, 2), (16, 16, Rope.NEOX, 1),])
+def test_two_lanes_per_thread_only_where_no_partner_is_in_another_lane(head_dim, rotary_dim, rope, most):
+    """A thread of two lanes holds lanes LANES / 2 apart, each rotating its own chunks: NeoX
+    needs 8-aligned rotary halves (40's halves of 20 are not); a head needs two lanes or more."""
+    assert lane_map(head_dim, rotary_dim, rope).max_sub == most
+
+
+def test_generated_traits_carry_the_map():
+    v = next(v for v in spec().variants if v.head_dim == 128 and v.rotary_dim == 64)
+    m = lane_map(128, 64, Rope.NEOX)
+    src = render_variant(v)
+    assert f"static KVF_DEVICE int chunk(int lane, int i) {{ return {m.chunk_cpp()}; }}" in src
+    assert f"return i ? {m.rotary_lanes[1]} : {m.rotary_lanes[0]};" in src
+    assert f"kMaxSub = {m.max_sub};" in src
