@@ -5,8 +5,8 @@
 
 For trying a change to the kernel header behind a macro before it is made for good: each
 set names a build (`name=` and its definitions, comma-separated; the first set is the
-baseline), each case a configuration of bench.py (m3, sglang, shuffle, fp8), a
-TP and a token count, and optionally a launch (depth:tile:v_loop:lanes; default: the tuned one).
+baseline), each case a configuration of bench.py (m3, sglang, shuffle, fp8; m3j .. fp8j
+with GPT-J rotary), a TP and a token count, and optionally a launch (depth:tile:v_loop:lanes; default: the tuned one).
 Every build's launch of a case is checked against the reference, then timed as bench.py
 times the op (CUDA-graph replay, inputs rotated past L2), the sets in turn and in reverse
 order on alternate rounds; a case's line gives each set's fastest time and its change from
@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench import CONFIGS, TP, find_variant, graph_us, hang_watchdog, input_sets  # noqa: E402
+from benchmarks.bench import CONFIGS, GPTJ_CONFIGS, TP, find_variant, graph_us, hang_watchdog, input_sets  # noqa: E402
 from kvforge.codegen.model import Variant  # noqa: E402
 from kvforge.runtime import build, toolchain  # noqa: E402
 from kvforge.runtime.api import launch_with  # noqa: E402
@@ -50,13 +50,16 @@ from kvforge.runtime.registry import REGISTRY, MissingSourceError, source_of  # 
 from kvforge.runtime.testing import ReferenceCheck  # noqa: E402
 from kvforge.runtime.tuning import Launch, launch_used  # noqa: E402
 
-CONFIG_NAMES = {"m3": "vllm_m3 bf16", "sglang": "sglang_nhd bf16", "shuffle": "vllm_shuffle16 bf16",
-                "fp8": "vllm_shuffle16 fp8"}
+_NEOX_NAMES = {"m3": "vllm_m3 bf16", "sglang": "sglang_nhd bf16", "shuffle": "vllm_shuffle16 bf16",
+               "fp8": "vllm_shuffle16 fp8"}
+# A trailing j: the configuration with GPT-J rotary (bench.GPTJ_CONFIGS), e.g. m3j.
+CONFIG_NAMES = {**_NEOX_NAMES, **{f"{short}j": f"{name} gptj" for short, name in _NEOX_NAMES.items()}}
+_CONFIG_AXES = {**CONFIGS, **GPTJ_CONFIGS}
 _DEFINE = re.compile(r"[A-Za-z_]\w*(=\S*)?")
 
 
 class Case(NamedTuple):
-    config: str                # a key of bench.CONFIGS
+    config: str                # a key of bench.CONFIGS or bench.GPTJ_CONFIGS
     tp: int
     tokens: int
     launch: Optional[Launch]   # None: the tuned launch
@@ -136,7 +139,7 @@ def set_jobs(name: str, tc: toolchain.Toolchain, variants: dict[str, Variant]) -
 def run_case(case: Case, toolchains: dict[str, toolchain.Toolchain], rounds: int) -> dict[str, list[float]]:
     """µs per call of each set's build, one timing per round."""
     nq, nkv, niq = TP[case.tp]
-    v = find_variant(CONFIGS[case.config], nkv)
+    v = find_variant(_CONFIG_AXES[case.config], nkv)
     launch = case.launch or launch_used(torch.cuda.get_device_name(), v, case.tokens)
     sets, _, _, n_calls = input_sets(v, case.tokens, nq, niq)
     check = ReferenceCheck(sets[0], ref_device="cuda")
@@ -170,7 +173,7 @@ def main() -> int:
     if args.rounds < 1:
         ap.error(f"--rounds: expected at least 1, got {args.rounds}")
     base = toolchain.default()
-    variants = {text: find_variant(CONFIGS[c.config], TP[c.tp][1]) for text, c in cases.items()}
+    variants = {text: find_variant(_CONFIG_AXES[c.config], TP[c.tp][1]) for text, c in cases.items()}
     try:  # every set's sources first: a checkout or a variant a tree lacks, before any build
         toolchains = {name: s.toolchain_from(base) for name, s in sets.items()}
         jobs = {name: set_jobs(name, tc, variants) for name, tc in toolchains.items()}

@@ -51,6 +51,8 @@ CONFIGS = {  # name -> variant axes (TP sets num_kv_heads)
     "sglang_nhd bf16": dict(contract="sglang_nhd", index_dtype="model", kv_scale="none", cos_sin="fp32"),
     "vllm_m3 bf16": dict(contract="vllm_m3", index_dtype="model", kv_scale="none"),
 }
+# The same configurations with GPT-J rotary (benchmarks/ab.py compares them with NeoX's).
+GPTJ_CONFIGS = {f"{name} gptj": {**axes, "rope": "gptj"} for name, axes in CONFIGS.items()}
 L2_BYTES = 60 * 2 ** 20
 
 

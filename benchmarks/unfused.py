@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.codegen.model import IndexMode, KvScale, Norm, Saturation, Variant
+from kvforge.codegen.model import IndexMode, KvScale, Norm, Rope, Saturation, Variant
 from kvforge.codegen.layout import CacheAccess, access
 from kvforge.runtime.reference import to_fp8, write_slots
 
@@ -18,10 +18,14 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float, norm: Norm) -> torch.Ten
 
 # The engines' own arithmetic (multiply, then add), not the reference's: the peer is what
 # engines run today, and the reference mirrors the fused kernel's fma instead.
-def _rope(n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+def _rope(n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rotary_dim: int,
+          rope: Rope) -> torch.Tensor:
     half = rotary_dim // 2
     cs = cos_sin[positions].float()
     c, s = cs[:, None, :half], cs[:, None, half:rotary_dim]
+    if rope is Rope.GPTJ:  # interleaved pairs, as engines' is_neox=False paths split them
+        a, b = n[..., 0:rotary_dim:2], n[..., 1:rotary_dim:2]
+        return torch.cat([torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2), n[..., rotary_dim:]], -1)
     a, b = n[..., :half], n[..., half:rotary_dim]
     return torch.cat([a * c - b * s, b * c + a * s, n[..., rotary_dim:]], dim=-1)
 
@@ -40,7 +44,7 @@ def unfused(v: Variant, lay: dict[str, CacheAccess], a: dict, q_out: torch.Tenso
     pos, eps, model = a["positions"], a["eps"], a["qkv"].dtype
 
     def normed(lo: int, hi: int, w: torch.Tensor) -> torch.Tensor:
-        return _rope(_norm(x[:, lo:hi], w, eps, v.norm), a["cos_sin_cache"], pos, R)
+        return _rope(_norm(x[:, lo:hi], w, eps, v.norm), a["cos_sin_cache"], pos, R, v.rope)
 
     q_out.copy_(normed(0, nq, a["q_norm_weight"]).to(model).view_as(q_out))
     k = normed(nq, nq + nkv, a["k_norm_weight"]).to(model)

@@ -97,6 +97,7 @@ class Norm(StrictEnum):
 
 class Rope(StrictEnum):
     NEOX = "neox"            # pairs (i, i + rotary_dim/2)
+    GPTJ = "gptj"            # pairs (2i, 2i + 1), interleaved
 
 
 class Saturation(StrictEnum):

@@ -34,7 +34,7 @@ _DTYPE = {DType.BF16: "BF16", DType.FP16: "FP16", DType.FP32: "F32"}
 _INDEX_MODE = {IndexMode.FULL: "Full", IndexMode.SKIP: "Skip", IndexMode.NONE: "None"}
 _SCALE = {KvScale.UNIT: "Unit", KvScale.PER_TENSOR: "PerTensor", KvScale.PER_HEAD: "PerHead"}
 _FP8 = {Fp8.E4M3FN: "E4M3FN", Fp8.E4M3FNUZ: "E4M3FNUZ"}
-_ROPE = {Rope.NEOX: "NeoxRope"}
+_ROPE = {Rope.NEOX: "NeoxRope", Rope.GPTJ: "GptjRope"}
 
 
 def _quant(v: Variant, fp8: bool, scale: KvScale, saturate: bool) -> str:

@@ -13,7 +13,7 @@ import torch
 
 from kvforge.codegen.lanes import lane_map_of
 from kvforge.codegen.layout import CacheAccess, access
-from kvforge.codegen.model import Fp8, IndexMode, KvScale, Norm, Saturation, Variant
+from kvforge.codegen.model import Fp8, IndexMode, KvScale, Norm, Rope, Saturation, Variant
 from kvforge.codegen.signature import KERNEL_ARGS
 
 FP8_DTYPES = {Fp8.E4M3FN: torch.float8_e4m3fn, Fp8.E4M3FNUZ: torch.float8_e4m3fnuz}
@@ -75,14 +75,18 @@ def rms_norm(v: Variant, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.
 
 def rope(v: Variant, n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Partial rotation of n [T, H, D] at positions [T] in the variant's style (SPEC §1):
-    NeoX pairs (i, i + R/2); dims ≥ R pass. Each output is one
+    NeoX pairs (i, i + R/2), GPT-J pairs (2i, 2i + 1); dims ≥ R pass. Each output is one
     fma of its first product, as the kernel computes it."""
     r = v.rotary_dim
     half = r // 2
     cs = cos_sin[positions].float()
     c, s = cs[:, None, :half], cs[:, None, half:r]
-    a, b = n[..., :half], n[..., half:r]
-    rotated = torch.cat([fma(a, c, -(b * s)), fma(b, c, a * s)], dim=-1)
+    if v.rope is Rope.GPTJ:
+        a, b = n[..., 0:r:2], n[..., 1:r:2]
+        rotated = torch.stack([fma(a, c, -(b * s)), fma(b, c, a * s)], dim=-1).flatten(-2)
+    else:
+        a, b = n[..., :half], n[..., half:r]
+        rotated = torch.cat([fma(a, c, -(b * s)), fma(b, c, a * s)], dim=-1)
     return torch.cat([rotated, n[..., r:]], dim=-1)
 
 

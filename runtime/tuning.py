@@ -14,7 +14,9 @@ call is long enough. `benchmarks/tune.py` times every depth a library holds
 KVF_MAX_TOKENS_PER_TILE), every lane count the variant has (1..its
 codegen/lanes.py: LaneMap.max_sub), and for a transposed V both places, on the GPU and writes
 tuning/<name>.json; the runtime only reads those files, so nothing is tuned at run time.
-A device or variant without an entry gets 0 for each, the library's defaults.
+A device or variant without an entry gets 0 for each, the library's defaults; a GPT-J
+variant the table does not name takes the ranges of its NeoX twin (the same memory
+schedule, bytes and lanes; its lane count is one the GPT-J library has too).
 
 File format: {"device": "<torch.cuda.get_device_name()>", "abi": KVF_ABI_VERSION,
 "choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop, lanes], ..., [null, depth,
@@ -26,6 +28,7 @@ a launch field means may change with it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -34,6 +37,7 @@ from typing import NamedTuple, Optional
 
 from kvforge.codegen.lanes import lane_map_of
 from kvforge.codegen.layout import v_transposed
+from kvforge.codegen.model import Rope
 from kvforge.codegen.paths import TUNED
 
 from .abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
@@ -97,10 +101,13 @@ class Table:
     where: str = "<table>"  # the file it was read from, for errors
 
     def ranges_for(self, variant) -> Ranges:
-        """The variant's ranges. The file alone
+        """The variant's ranges (or its NeoX twin's, see the module's doc). The file alone
         cannot tell how many lanes a variant's kernels hold, so a range naming more is
         refused here, at the variant's first call, rather than by the library at every call."""
-        ranges = self.choices.get(variant.uri, ())
+        ranges = self.choices.get(variant.uri)
+        if ranges is None and variant.rope is not Rope.NEOX:
+            ranges = self.choices.get(dataclasses.replace(variant, rope=Rope.NEOX).uri)
+        ranges = ranges or ()
         for i, (_, launch) in enumerate(ranges):
             bad = lanes_problem(variant, launch.lanes)
             if bad:

@@ -58,14 +58,16 @@ def rmsnorm(x, w, eps, norm):
     return out
 
 
-def rope(n, cs_row, rotary_dim):
-    """SPEC §1 step 2: partial NeoX RoPE; pairs (i, i+h), dims >= R pass through."""
+def rope(n, cs_row, rotary_dim, style="neox"):
+    """SPEC §1 step 2: partial RoPE, dims >= R pass through; pairs (i, i+h) (NeoX) or
+    (2i, 2i+1) (GPT-J), both at c_i, s_i."""
     h = rotary_dim // 2
     y = list(n)
     for i in range(h):
+        a, b = (i, i + h) if style == "neox" else (2 * i, 2 * i + 1)
         c, s = cs_row[i], cs_row[h + i]
-        y[i] = f32(f32(n[i] * c) - f32(n[i + h] * s))
-        y[i + h] = f32(f32(n[i + h] * c) + f32(n[i] * s))
+        y[a] = f32(f32(n[a] * c) - f32(n[b] * s))
+        y[b] = f32(f32(n[b] * c) + f32(n[a] * s))
     return y
 
 
@@ -82,10 +84,10 @@ def _scales(scale, nkv, name):
 
 def spec_forward(*, qkv, positions, cos_sin_cache, slot_mapping, index_slot_mapping,
                  q_w, k_w, iq_w, ik_w, num_heads, num_kv_heads, num_index_heads,
-                 rotary_dim, eps, norm="gemma", index_mode="full",
+                 rotary_dim, eps, norm="gemma", rope_style="neox", index_mode="full",
                  kv_fp8=None, k_scale=None, v_scale=None, saturate=True,
                  index_fp8=None, round_before_quant=True):
-    assert norm in ("gemma", "plain") and index_mode in ("full", "skip", "none")
+    assert norm in ("gemma", "plain") and rope_style in ("neox", "gptj") and index_mode in ("full", "skip", "none")
     dt = qkv.dtype
     D = q_w.numel()
     nq, nkv, niq, R = num_heads, num_kv_heads, num_index_heads, rotary_dim
@@ -119,7 +121,7 @@ def spec_forward(*, qkv, positions, cos_sin_cache, slot_mapping, index_slot_mapp
         vs = row[(nq + nkv) * D:(nq + 2 * nkv) * D]
 
         def rot(x, w):
-            return rope(rmsnorm(x, w, eps, norm), cs, R)
+            return rope(rmsnorm(x, w, eps, norm), cs, R, rope_style)
 
         q_out.append(to_dtype([rot(head(qs, h), wq) for h in range(nq)], dt))
 

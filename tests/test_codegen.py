@@ -18,6 +18,7 @@ GOLDEN_URIS = [
     "vllm_shuffle16_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_fp8_kvpertensor_e4m3fnuz",
     "sglang_nhd_bf16_d128_r64_kvh1_csfp32_gemma_idxfull_model_kvunit_e4m3fn",
     "vllm_shuffle16_bf16_d128_r36_kvh4_csbf16_gemma_idxfull_model_kvnone",
+    "vllm_m3_bf16_d128_r64_kvh4_csbf16_gemma_gptj_idxfull_model_kvnone",
 ]
 
 

@@ -41,18 +41,36 @@ def test_neox_with_aligned_halves_gives_a_rotary_lane_its_partner(d, r):
         assert c1 == c0 + r // 2 // VEC and c0 * VEC < r // 2
 
 
+def test_gptj_rotary_lanes_hold_adjacent_chunks_where_the_rotary_dims_fill_lanes():
+    """GPT-J's pairs (2i, 2i + 1) sit in one chunk at every even rotary dim, so no map
+    needs an exchange. Where the rotary dims are whole lanes (16 dims each) a rotary lane
+    holds chunks 2l, 2l + 1 (its cos/sin one run of 8 values); elsewhere lane l holds
+    chunks l and l + lanes (one load instruction of a head reads its first half, the next
+    its second)."""
+    for d, r in SHAPES:
+        m = lane_map(d, r, Rope.GPTJ)
+        assert not m.exchange
+        if r % 16 == 0:
+            assert m.chunks[:r // 16] == tuple((2 * l, 2 * l + 1) for l in range(r // 16)), (d, r)
+            assert m.rotary_lanes == (r // 16, r // 16)
+        else:
+            assert m.chunks == tuple((l, l + m.lanes) for l in range(m.lanes)), (d, r)
+
+
 @pytest.mark.parametrize("head_dim,rotary_dim,rope,most", [
     (128, 64, Rope.NEOX, 2), (128, 128, Rope.NEOX, 2), (128, 48, Rope.NEOX, 2), (128, 40, Rope.NEOX, 1),
-    (128, 36, Rope.NEOX, 1), (64, 32, Rope.NEOX, 2), (32, 16, Rope.NEOX, 2), (16, 16, Rope.NEOX, 1),])
+    (128, 36, Rope.NEOX, 1), (64, 32, Rope.NEOX, 2), (32, 16, Rope.NEOX, 2), (16, 16, Rope.NEOX, 1),
+    (128, 36, Rope.GPTJ, 2), (128, 40, Rope.GPTJ, 2), (64, 32, Rope.GPTJ, 2), (16, 16, Rope.GPTJ, 1)])
 def test_two_lanes_per_thread_only_where_no_partner_is_in_another_lane(head_dim, rotary_dim, rope, most):
     """A thread of two lanes holds lanes LANES / 2 apart, each rotating its own chunks: NeoX
-    needs 8-aligned rotary halves (40's halves of 20 are not); a head needs two lanes or more."""
+    needs 8-aligned rotary halves (40's halves of 20 are not), GPT-J never exchanges; a head
+    needs two lanes or more."""
     assert lane_map(head_dim, rotary_dim, rope).max_sub == most
 
 
 def test_generated_traits_carry_the_map():
-    v = next(v for v in spec().variants if v.head_dim == 128 and v.rotary_dim == 64)
-    m = lane_map(128, 64, Rope.NEOX)
+    v = next(v for v in spec().variants if v.rope is Rope.GPTJ and v.head_dim == 128 and v.rotary_dim == 64)
+    m = lane_map(128, 64, Rope.GPTJ)
     src = render_variant(v)
     assert f"static KVF_DEVICE int chunk(int lane, int i) {{ return {m.chunk_cpp()}; }}" in src
     assert f"return i ? {m.rotary_lanes[1]} : {m.rotary_lanes[0]};" in src

@@ -43,7 +43,7 @@ def test_reference_matches_the_spec_loop(variant):
         slot_mapping=args["slot_mapping"], index_slot_mapping=args.get("index_slot_mapping", args["slot_mapping"]),
         q_w=args["q_norm_weight"], k_w=args["k_norm_weight"], iq_w=args.get("index_q_norm_weight"),
         ik_w=args.get("index_k_norm_weight"), num_heads=4, num_kv_heads=variant.num_kv_heads,
-        num_index_heads=niq, rotary_dim=variant.rotary_dim, eps=1e-6, norm=variant.norm.value,
+        num_index_heads=niq, rotary_dim=variant.rotary_dim, eps=1e-6, norm=variant.norm.value, rope_style=variant.rope.value,
         index_mode=variant.index_mode.value, kv_fp8=fp8 if variant.kv_fp8 else None,
         k_scale=args["k_scale"].tolist() if "k_scale" in args else None,
         v_scale=args["v_scale"].tolist() if "v_scale" in args else None,

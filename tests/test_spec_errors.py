@@ -182,3 +182,16 @@ def test_any_edit_parses_or_is_reported(edits):
     except SpecError as e:
         assert all(err.startswith("variants.yaml:") for err in e.errors), e.errors
 
+
+def test_rope_is_an_axis_a_file_written_before_it_need_not_name():
+    """BASE names no `rope` default (files before the axis): its variants are NeoX, named as
+    before; a family may list GPT-J, and a style that is neither is pinned to its line."""
+    spec = parse_spec(BASE.replace("      kv_scale: [none, per_tensor]\n",
+                                   "      kv_scale: [none, per_tensor]\n      rope: [neox, gptj]\n"))
+    assert sorted(v.uri for v in spec.variants if v.kv_scale.value == "none") == [
+        "paged_bf16_d128_r64_kvh4_csbf16_gemma_gptj_idxfull_model_kvnone",
+        "paged_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_model_kvnone"]
+    assert errors(BASE.replace("      kv_scale: [none, per_tensor]\n",
+                               "      kv_scale: [none, per_tensor]\n      rope: gpt-j\n")) == [
+        "variants.yaml:41: families.base.axes.rope: expected one of 'neox', 'gptj', got 'gpt-j' "
+        "(exclude it or change the axis)"]

@@ -1,4 +1,5 @@
 """The tuned launch table (runtime/tuning.py) and the tuner's range building."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import pytest
 from benchmarks.tune import choose, launches, launches_per_count, ranges, tps
 from kvforge.codegen.lanes import lane_map_of
 from kvforge.codegen.layout import v_transposed
+from kvforge.codegen.model import Rope
 from kvforge.codegen.paths import TUNED
 from kvforge.runtime.abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
                          MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF,
@@ -394,6 +396,8 @@ def test_the_compacted_table_picks_every_launch_the_old_one_did():
         for uri, picked in by_uri.items():
             tuned = t.ranges_for(variants[uri])
             assert [list(pick(tuned, n)) for n in fixture["tokens"]] == picked, (device, uri)
+            gptj = dataclasses.replace(variants[uri], rope=Rope.GPTJ)  # untuned: its NeoX twin's ranges
+            assert [list(pick(t.ranges_for(gptj), n)) for n in fixture["tokens"]] == picked, (device, uri)
 
 
 def test_the_scripts_build_their_rotating_input_sets():

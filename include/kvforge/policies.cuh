@@ -1,5 +1,5 @@
 // The math of the fused prologue (SPEC §1), as small policies a variant's traits select:
-// Norm (RmsNorm: Gemma or plain), Rope (NeoX) and Quant (the model dtype, FP8 at a
+// Norm (RmsNorm: Gemma or plain), Rope (NeoX, GPT-J) and Quant (the model dtype, FP8 at a
 // scale). A policy sees a thread's values of one head in registers, the dims its lanes
 // hold (d0: the first dim of each 8-dim chunk, from the traits' lane map) and, where it
 // needs one, a reduction over the head's lanes (Group); it never sees the memory schedule
@@ -187,6 +187,76 @@ struct NeoxRope {
         float& out = n[j / kVec][j % kVec];
         if (e < HALF) out = fmaf(x[j], cos_sin_at<CS>(row, e), -(up * cos_sin_at<CS>(row, HALF + e)));
         else if (e < R) out = fmaf(x[j], cos_sin_at<CS>(row, e - HALF), down * cos_sin_at<CS>(row, e));
+      }
+    }
+  }
+};
+
+// GPT-J: pairs (2i, 2i + 1) at c_i, s_i: y_2i = n_2i c_i - n_2i+1 s_i, y_2i+1 = n_2i+1 c_i
+// + n_2i s_i. A pair never leaves its chunk. Where the rotary dims fill whole lanes the
+// lane map gives a rotary lane two adjacent chunks, whose 8 cos and 8 sin values are one
+// vector each (kRun 8); where they end mid-lane each chunk loads its 4 (kRun 4); where
+// they end inside a chunk the sin half is unaligned and values come one by one at apply.
+template <class VT>
+struct GptjRope {
+  using CS = typename VT::CosSin;
+  static constexpr int R = VT::kRotaryDim, HALF = R / 2;
+  static constexpr int kRun = R % (2 * kVec) == 0 ? kVec : R % kVec == 0 ? kVec / 2 : 0;
+  struct Run8 {
+    CsRun<CS, kVec> c, s;
+  };
+  struct Run4 {
+    CsRun<CS, kVec / 2> c[2], s[2];
+  };
+  using Raw = std::conditional_t<kRun == kVec, Run8, std::conditional_t<kRun == kVec / 2, Run4, NoCosSin>>;
+
+  static KVF_DEVICE Raw load(const char* row, const Chunks& ch) {
+    Raw r{};
+    if constexpr (kRun == kVec) {
+      if (ch.rot[0]) {
+        r.c.load(row + ch.d0[0] / 2 * CS::kBytes);
+        r.s.load(row + (HALF + ch.d0[0] / 2) * CS::kBytes);
+      }
+    } else if constexpr (kRun == kVec / 2) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (ch.rot[i]) {
+          r.c[i].load(row + ch.d0[i] / 2 * CS::kBytes);
+          r.s[i].load(row + (HALF + ch.d0[i] / 2) * CS::kBytes);
+        }
+      }
+    }
+    return r;
+  }
+  static KVF_DEVICE void prefetch(const char* row, const Chunks& ch) {
+    if (kRun && ch.rot[0]) {
+      prefetch_l2(row + ch.d0[0] / 2 * CS::kBytes);
+      prefetch_l2(row + (HALF + ch.d0[0] / 2) * CS::kBytes);
+    }
+  }
+
+  static KVF_DEVICE void apply(const Raw& r, const char* row, int, const Chunks& ch, float (&n)[2][kVec]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!ch.rot[i]) continue;
+#pragma unroll
+      for (int k = 0; k < kVec / 2; ++k) {
+        float c, s;
+        if constexpr (kRun == kVec) {
+          c = r.c.at(i * kVec / 2 + k);
+          s = r.s.at(i * kVec / 2 + k);
+        } else if constexpr (kRun == kVec / 2) {
+          c = r.c[i].at(k);
+          s = r.s[i].at(k);
+        } else {
+          const int p = int(ch.d0[i]) / 2 + k;  // the pair's cos/sin index
+          if (p >= HALF) break;
+          c = cos_sin_at<CS>(row, p);
+          s = cos_sin_at<CS>(row, HALF + p);
+        }
+        const float a = n[i][2 * k], b = n[i][2 * k + 1];
+        n[i][2 * k] = fmaf(a, c, -(b * s));
+        n[i][2 * k + 1] = fmaf(b, c, a * s);
       }
     }
   }
