@@ -10,12 +10,10 @@ style's to say:
   halves so that each load instruction of a head reads whole sectors.
 - NeoX otherwise (e.g. rotary dim 36): adjacent chunks, partners exchanged between
   lanes by shuffles (`exchange`), one lane per thread.
-- GPT-J: pairs are adjacent dims, inside every chunk. Where the rotary dims fill whole
-  lanes (a multiple of 16) a rotary lane holds two adjacent chunks, whose cos/sin are
-  one run of 8 values (one vector load each, as NeoX's), the pass-through chunks split
-  as NeoX's; otherwise lane l holds chunks l and l + lanes (each chunk's cos/sin loaded
-  on its own). Mapped as l, l + lanes everywhere, every lane rotated and loaded twice as
-  many cos/sin vectors: up to 10% slower than NeoX at 1k-8k tokens (PERF.md).
+- GPT-J: pairs are adjacent dims, inside every chunk; lane l holds chunks l and
+  l + lanes (each load instruction of a head reads whole sectors; each chunk's 4 cos and
+  4 sin values are loaded on their own). Adjacent chunks in a rotary lane (its cos/sin
+  one run of 8, as NeoX's) read half sectors per instruction: 20% slower (PERF.md).
 
 This module is the only statement of the map: the reference sums squares in `dims`'
 order, and render.py emits `chunk` and `rotary_lanes` into each variant's traits
@@ -114,17 +112,12 @@ def _at(s: Segment, lane: int) -> tuple[int, int]:
 def lane_map(head_dim: int, rotary_dim: int, rope: Rope) -> LaneMap:
     chunks, half, lanes = head_dim // VEC, rotary_dim // 2, head_dim // (2 * VEC)
     if rope is Rope.GPTJ:
-        if rotary_dim % (2 * VEC):
-            return LaneMap(head_dim, rotary_dim, rope, tuple((l, l + lanes) for l in range(lanes)), False)
-        rot = rotary_dim // (2 * VEC)
-        first = [(2 * l, 2 * l + 1) for l in range(rot)]
-    elif half % VEC:
+        return LaneMap(head_dim, rotary_dim, rope, tuple((l, l + lanes) for l in range(lanes)), False)
+    if half % VEC:
         return LaneMap(head_dim, rotary_dim, rope, tuple((2 * l, 2 * l + 1) for l in range(lanes)), True)
-    else:
-        rot = half // VEC
-        first = [(i, i + rot) for i in range(rot)]
+    rot = half // VEC
     rest = (chunks - 2 * rot) // 2
-    pairs = first + [(2 * rot + k, 2 * rot + k + rest) for k in range(rest)]
+    pairs = [(i, i + rot) for i in range(rot)] + [(2 * rot + k, 2 * rot + k + rest) for k in range(rest)]
     return LaneMap(head_dim, rotary_dim, rope, tuple(pairs), False)
 
 

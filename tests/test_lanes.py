@@ -41,20 +41,14 @@ def test_neox_with_aligned_halves_gives_a_rotary_lane_its_partner(d, r):
         assert c1 == c0 + r // 2 // VEC and c0 * VEC < r // 2
 
 
-def test_gptj_rotary_lanes_hold_adjacent_chunks_where_the_rotary_dims_fill_lanes():
+def test_gptj_pairs_never_leave_a_chunk_and_every_lane_reads_whole_sectors():
     """GPT-J's pairs (2i, 2i + 1) sit in one chunk at every even rotary dim, so no map
-    needs an exchange. Where the rotary dims are whole lanes (16 dims each) a rotary lane
-    holds chunks 2l, 2l + 1 (its cos/sin one run of 8 values); elsewhere lane l holds
-    chunks l and l + lanes (one load instruction of a head reads its first half, the next
-    its second)."""
+    needs an exchange; lane l holds chunks l and l + lanes (one load instruction of a head
+    reads its contiguous first half, the next its second)."""
     for d, r in SHAPES:
         m = lane_map(d, r, Rope.GPTJ)
         assert not m.exchange
-        if r % 16 == 0:
-            assert m.chunks[:r // 16] == tuple((2 * l, 2 * l + 1) for l in range(r // 16)), (d, r)
-            assert m.rotary_lanes == (r // 16, r // 16)
-        else:
-            assert m.chunks == tuple((l, l + m.lanes) for l in range(m.lanes)), (d, r)
+        assert m.chunks == tuple((l, l + m.lanes) for l in range(m.lanes))
 
 
 @pytest.mark.parametrize("head_dim,rotary_dim,rope,most", [

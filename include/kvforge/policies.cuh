@@ -193,31 +193,22 @@ struct NeoxRope {
 };
 
 // GPT-J: pairs (2i, 2i + 1) at c_i, s_i: y_2i = n_2i c_i - n_2i+1 s_i, y_2i+1 = n_2i+1 c_i
-// + n_2i s_i. A pair never leaves its chunk. Where the rotary dims fill whole lanes the
-// lane map gives a rotary lane two adjacent chunks, whose 8 cos and 8 sin values are one
-// vector each (kRun 8); where they end mid-lane each chunk loads its 4 (kRun 4); where
-// they end inside a chunk the sin half is unaligned and values come one by one at apply.
+// + n_2i s_i. A pair never leaves its chunk, so each chunk rotates on its own, its 4 cos
+// and 4 sin values loaded as two vectors. A rotary dim that is not a multiple of 8 ends
+// inside a chunk and leaves the sin half unaligned: cos/sin then come value by value.
 template <class VT>
 struct GptjRope {
   using CS = typename VT::CosSin;
   static constexpr int R = VT::kRotaryDim, HALF = R / 2;
-  static constexpr int kRun = R % (2 * kVec) == 0 ? kVec : R % kVec == 0 ? kVec / 2 : 0;
-  struct Run8 {
-    CsRun<CS, kVec> c, s;
-  };
-  struct Run4 {
+  static constexpr bool kVectors = R % kVec == 0;
+  struct Pairs {
     CsRun<CS, kVec / 2> c[2], s[2];
   };
-  using Raw = std::conditional_t<kRun == kVec, Run8, std::conditional_t<kRun == kVec / 2, Run4, NoCosSin>>;
+  using Raw = std::conditional_t<kVectors, Pairs, NoCosSin>;
 
   static KVF_DEVICE Raw load(const char* row, const Chunks& ch) {
     Raw r{};
-    if constexpr (kRun == kVec) {
-      if (ch.rot[0]) {
-        r.c.load(row + ch.d0[0] / 2 * CS::kBytes);
-        r.s.load(row + (HALF + ch.d0[0] / 2) * CS::kBytes);
-      }
-    } else if constexpr (kRun == kVec / 2) {
+    if constexpr (kVectors) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         if (ch.rot[i]) {
@@ -229,7 +220,7 @@ struct GptjRope {
     return r;
   }
   static KVF_DEVICE void prefetch(const char* row, const Chunks& ch) {
-    if (kRun && ch.rot[0]) {
+    if (kVectors && ch.rot[0]) {
       prefetch_l2(row + ch.d0[0] / 2 * CS::kBytes);
       prefetch_l2(row + (HALF + ch.d0[0] / 2) * CS::kBytes);
     }
@@ -242,10 +233,7 @@ struct GptjRope {
 #pragma unroll
       for (int k = 0; k < kVec / 2; ++k) {
         float c, s;
-        if constexpr (kRun == kVec) {
-          c = r.c.at(i * kVec / 2 + k);
-          s = r.s.at(i * kVec / 2 + k);
-        } else if constexpr (kRun == kVec / 2) {
+        if constexpr (kVectors) {
           c = r.c[i].at(k);
           s = r.s[i].at(k);
         } else {
