@@ -27,6 +27,7 @@ from functools import cached_property, lru_cache
 from .layout import VEC
 from .model import Rope, Variant
 
+
 @dataclass(frozen=True)
 class Segment:
     """Lanes [first, end): chunk i of lane l is base + slope * l + step * i."""

@@ -12,7 +12,6 @@ import functools
 import itertools
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import yaml

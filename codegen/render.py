@@ -35,6 +35,8 @@ _INDEX_MODE = {IndexMode.FULL: "Full", IndexMode.SKIP: "Skip", IndexMode.NONE: "
 _SCALE = {KvScale.UNIT: "Unit", KvScale.PER_TENSOR: "PerTensor", KvScale.PER_HEAD: "PerHead"}
 _FP8 = {Fp8.E4M3FN: "E4M3FN", Fp8.E4M3FNUZ: "E4M3FNUZ"}
 _ROPE = {Rope.NEOX: "NeoxRope", Rope.GPTJ: "GptjRope"}
+_PARAMS = (("c", "const kvf_cache_t& c"), ("page", "int64_t page"), ("off", "uint32_t off"),
+           ("h", "uint32_t h"), ("d", "uint32_t d"))
 
 
 def _quant(v: Variant, fp8: bool, scale: KvScale, saturate: bool) -> str:
@@ -44,8 +46,6 @@ def _quant(v: Variant, fp8: bool, scale: KvScale, saturate: bool) -> str:
         return f"kvf::AsModel<{model}>"
     sat = "true" if saturate else "false"
     return f"kvf::AsFp8<{model}, kvf::Fp8::{_FP8[v.fp8]}, kvf::Scale::{_SCALE[scale]}, {sat}>"
-_PARAMS = (("c", "const kvf_cache_t& c"), ("page", "int64_t page"), ("off", "uint32_t off"),
-           ("h", "uint32_t h"), ("d", "uint32_t d"))
 
 
 def kernel_sources() -> dict[str, bytes]:
