@@ -66,7 +66,7 @@ from kvforge.codegen.layout import v_transposed  # noqa: E402
 from kvforge.codegen.model import IndexMode  # noqa: E402
 from kvforge.codegen.paths import TUNED  # noqa: E402
 from kvforge.runtime import build, toolchain  # noqa: E402
-from kvforge.runtime.abi import (ABI_VERSION, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT,  # noqa: E402
+from kvforge.runtime.abi import (LAUNCH_ABI, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT,  # noqa: E402
                          V_LOOP_OFF, V_LOOP_ON)
 from kvforge.runtime.api import launch_with  # noqa: E402
 from kvforge.runtime.registry import source_of, spec  # noqa: E402
@@ -278,7 +278,7 @@ def main() -> int:
     tc = toolchain.default()
     jobs = [build.Job(v.uri, source_of(v)) for v in variants]
     build.build_many(jobs, tc)
-    table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "abi": ABI_VERSION,
+    table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "abi": LAUNCH_ABI,
              "tuner": TUNER_FORMAT,
              "command": f"python benchmarks/tune.py --name {args.name} --tokens {args.tokens}"
                         + f" --confirm-within {args.confirm_within:g}" + (" --all" if args.all else ""),

@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import expr as ex
-from .model import Cache, IndexDtype, KvScale, Variant
+from .model import SCALE_ROLES, Cache, IndexDtype, KvScale, Variant
 
 VEC = 8  # model-dtype elements per 16-byte access of the kernel
 
@@ -42,6 +42,11 @@ class CacheAccess:
     offset: ex.Expr                   # element offset in terms of page, off, h, d, s<dim>
     d_vec: int                        # elements one store may cover along d
     slot_vec: int                     # tokens one store may cover along the slot (1 = no)
+    counts_slots: bool                # the run-time extent counts slots, not pages
+
+    def capacity(self, shape) -> int:
+        """Slots a tensor of this shape holds."""
+        return shape[self.runtime_dim] * (1 if self.counts_slots else self.page_size)
 
     @property
     def transposed(self) -> bool:
@@ -68,6 +73,8 @@ def v_transposed(v: Variant) -> bool:
 
 
 def elem_size(v: Variant, role: str) -> int:
+    if role in SCALE_ROLES:
+        return 4  # fp32 scales
     if role == "index":
         return 1 if v.index_dtype is IndexDtype.FP8 else v.dtype.size
     return 1 if v.kv_scale is not KvScale.NONE else v.dtype.size
@@ -75,7 +82,22 @@ def elem_size(v: Variant, role: str) -> int:
 
 def _symbols(v: Variant, cache: Cache) -> dict[str, int]:
     return {"D": v.head_dim, "nkv": v.num_kv_heads, "x": 16 // elem_size(v, cache.role),
-            "page_size": cache.page_size}
+            "page_size": v.page_size(cache.role)}
+
+
+def _slot_folded(e: ex.Expr) -> ex.Expr:
+    """`slot` spelled as what it is, page * page_size + off (the kernel's offsets take both)."""
+    slot = ex.BinOp("+", ex.BinOp("*", ex.Sym("page"), ex.Sym("page_size")), ex.Sym("off"))
+    if isinstance(e, ex.Sym):
+        return slot if e.name == "slot" else e
+    if isinstance(e, ex.BinOp):
+        return ex.BinOp(e.op, _slot_folded(e.lhs), _slot_folded(e.rhs))
+    return e
+
+
+def _head_dim(v: Variant, cache: Cache) -> int:
+    """Dims a cache holds per (slot, head): a scale cache holds one value."""
+    return 1 if cache.role in SCALE_ROLES else v.head_dim
 
 
 @lru_cache(maxsize=None)
@@ -86,14 +108,14 @@ def access(v: Variant, role: str) -> CacheAccess:
     strides = _strides(cache, extents)
     offset = ex.substitute(_plain_offset(cache, strides), syms)
     heads = 1 if role == "index" else v.num_kv_heads
-    grid = _page_grid(cache.page_size, heads, v.head_dim)
-    d_vec, slot_vec = _vector_widths(v, cache, offset, grid)
+    grid = _page_grid(v.page_size(role), heads, _head_dim(v, cache))
+    d_vec, slot_vec = _vector_widths(v, cache, offset, grid, extents)
     return CacheAccess(role=role, tensor=cache.tensor, elem_size=elem_size(v, role),
-                       page_size=cache.page_size, heads=heads, extents=tuple(extents),
+                       page_size=v.page_size(role), heads=heads, extents=tuple(extents),
                        runtime_dim=cache.runtime_dim, free=cache.free,
                        free_symbols=tuple((stride_symbol(i), i) for i in cache.free),
                        contiguous_strides=tuple(strides), offset=offset,
-                       d_vec=d_vec, slot_vec=slot_vec)
+                       d_vec=d_vec, slot_vec=slot_vec, counts_slots=cache.counts_slots)
 
 
 # The proofs enumerate a page with numpy (the code generator does not import torch).
@@ -104,17 +126,24 @@ def _page_grid(page_size: int, heads: int, head_dim: int):
     return off, h, d
 
 
-def _within_page(acc_offset: ex.Expr, free: tuple[int, ...], grid) -> np.ndarray:
-    """Element offsets of one page (page 0; free strides do not matter there)."""
+def _within_page(acc_offset: ex.Expr, cache: Cache, extents: list[int | None], grid) -> np.ndarray:
+    """Element offsets of one page (page 0). A free stride is taken as it would be in a
+    contiguous tensor of one page (that of a dim indexed by `page` does not matter there;
+    one indexed by `h` is validated at run time to keep the heads apart)."""
     off, h, d = grid
     env = {"page": 0, "off": off, "h": h, "d": d}
-    env.update({stride_symbol(i): 0 for i in free})
+    one_page = [1 if e is None else e for e in extents]
+    if cache.counts_slots:
+        one_page[cache.runtime_dim] = off.shape[0]
+    env.update({stride_symbol(i): int(np.prod(one_page[i + 1:])) for i in cache.free})
     out = np.asarray(ex.evaluate(acc_offset, env), dtype=np.int64)
     return np.broadcast_to(out, (off.shape[0], h.shape[1], d.shape[2]))
 
 
-def _vector_widths(v: Variant, cache: Cache, offset: ex.Expr, grid) -> tuple[int, int]:
-    offs = _within_page(offset, cache.free, grid)
+def _vector_widths(v: Variant, cache: Cache, offset: ex.Expr, grid, extents) -> tuple[int, int]:
+    if cache.role in SCALE_ROLES:
+        return 1, 1  # one fp32 per (slot, head), written alone
+    offs = _within_page(offset, cache, extents, grid)
     max_elems = 16 // elem_size(v, cache.role)
 
     def contiguous(t: np.ndarray, w: int) -> bool:
@@ -141,6 +170,21 @@ def _vector_widths(v: Variant, cache: Cache, offset: ex.Expr, grid) -> tuple[int
     return d_vec, slot_vec
 
 
+@lru_cache(maxsize=None)
+def page_size_from(v: Variant, role: str, shape: tuple[int, ...]) -> int | None:
+    """The page size, among those the contract's cache allows, at which a tensor of `shape`
+    has the cache's shape (its run-time extent aside), for v's sizes and dtypes; None if none."""
+    cache: Cache = getattr(v.contract, role)
+    for ps in cache.page_sizes:
+        try:
+            extents = _extents(cache, {**_symbols(v, cache), "page_size": ps})
+        except ZeroDivisionError:
+            continue
+        if len(extents) == len(shape) and all(e is None or e == n for e, n in zip(extents, shape)):
+            return ps
+    return None
+
+
 def _extents(cache: Cache, syms) -> list[int | None]:
     return [None if i == cache.runtime_dim else ex.evaluate(e, syms)
             for i, e in enumerate(cache.shape)]
@@ -162,7 +206,7 @@ def _plain_offset(cache: Cache, strides: list[int | None]) -> ex.Expr:
     offset: ex.Expr = ex.Num(0)
     for i, idx in enumerate(cache.index):
         stride: ex.Expr = ex.Sym(stride_symbol(i)) if strides[i] is None else ex.Num(strides[i])
-        offset = ex.BinOp("+", offset, ex.BinOp("*", idx, stride))
+        offset = ex.BinOp("+", offset, ex.BinOp("*", _slot_folded(idx), stride))
     return offset
 
 
@@ -170,8 +214,8 @@ def check_variant(v: Variant) -> list[tuple[str, str]]:
     """Layout problems of a variant's contract at its sizes, as (cache role, message)."""
     problems: list[tuple[str, str]] = []
     pages: dict[str, np.ndarray] = {}
-    for role in ("k", "v", "index"):
-        cache: Cache = getattr(v.contract, role)
+    for cache in v.caches():
+        role = cache.role
         syms = _symbols(v, cache)
         try:
             extents = _extents(cache, syms)
@@ -183,13 +227,13 @@ def check_variant(v: Variant) -> list[tuple[str, str]]:
             problems.append((role, f"shape extent {bad[0]} is not positive at these sizes"))
             continue
         heads = 1 if role == "index" else v.num_kv_heads
-        off, h, d = _page_grid(cache.page_size, heads, v.head_dim)
+        off, h, d = _page_grid(v.page_size(role), heads, _head_dim(v, cache))
         env = {**syms, "page": 0, "off": off, "h": h, "d": d}
         for i, idx in enumerate(cache.index):
             if i == cache.runtime_dim:
                 continue
             try:
-                val = ex.evaluate(idx, env)
+                val = ex.evaluate(_slot_folded(idx), env)
             except ZeroDivisionError as e:
                 problems.append((role, f"index[{i}]: {e}"))
                 break
@@ -200,11 +244,11 @@ def check_variant(v: Variant) -> list[tuple[str, str]]:
                 break
         else:
             acc = ex.substitute(_plain_offset(cache, _strides(cache, extents)), syms)
-            offs = _within_page(acc, cache.free, (off, h, d)).ravel()
+            offs = _within_page(acc, cache, extents, (off, h, d)).ravel()
             if np.unique(offs).size != offs.size:
                 problems.append((role, "two (slot, head, dim) elements land on the same address"))
-            elif role != "index" and "page" not in {s for e in cache.index for s in e.symbols()}:
-                problems.append((role, "never uses 'page'"))
+            elif role != "index" and not {"page", "slot"} & {s for e in cache.index for s in e.symbols()}:
+                problems.append((role, "never uses 'page' or 'slot'"))
             pages[role] = offs
     if (not problems and v.contract.combined_kv
             and bool(np.isin(pages["k"], pages["v"]).any())):

@@ -21,7 +21,7 @@ from .yamlload import LocDict, LocList, load
 
 __all__ = [
     "DType", "Fp8", "IndexMode", "IndexDtype", "KvScale", "Norm", "Saturation", "IndexSlots",
-    "Rope", "Cache", "Contract", "Variant", "Family", "Spec", "SpecError", "parse_unchecked",
+    "Rope", "QFp8", "Cache", "Contract", "Variant", "Family", "Spec", "SpecError", "parse_unchecked",
 ]
 
 
@@ -87,6 +87,19 @@ class KvScale(StrictEnum):
     UNIT = "unit"            # FP8, scale 1
     PER_TENSOR = "per_tensor"
     PER_HEAD = "per_head"
+    PER_TOKEN_HEAD = "per_token_head"  # amax / fp8_max per (token, kv head), into scale caches
+
+    @property
+    def dynamic(self) -> bool:
+        """Scales the kernel computes (and writes into the contract's scale caches)."""
+        return self is KvScale.PER_TOKEN_HEAD
+
+
+class QFp8(StrictEnum):
+    """The FP8 query output (q_fp8_out) beside or instead of q_out, at a device-scalar scale."""
+
+    NONE = "none"
+    PER_TENSOR = "per_tensor"
 
 
 class Norm(StrictEnum):
@@ -109,10 +122,16 @@ class IndexSlots(StrictEnum):
     SHARED = "shared"        # index_slot_mapping defaults to slot_mapping
 
 
-# Symbols a cache's shape and index expressions may use.
+# Symbols a cache's shape and index expressions may use (`slot` = page * page_size + off).
 COMPILE_TIME_SYMBOLS = frozenset({"D", "nkv", "x", "page_size"})
-INDEX_SYMBOLS = frozenset({"page", "off", "h", "d"}) | COMPILE_TIME_SYMBOLS
+INDEX_SYMBOLS = frozenset({"page", "off", "slot", "h", "d"}) | COMPILE_TIME_SYMBOLS
+RUNTIME_INDEX = ("page", "slot")  # what may index the run-time extent: it counts pages or slots
 CACHE_TENSORS = ("k_cache", "v_cache", "kv_cache", "index_cache")
+SCALE_TENSORS = ("k_scale_cache", "v_scale_cache")
+# The caches a contract lists: K, V, the index cache, and the scale caches of per-token
+# scales (one fp32 per slot and kv head; their page size is the KV cache's).
+DATA_ROLES = ("k", "v", "index")
+SCALE_ROLES = ("k_scale", "v_scale")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -120,14 +139,20 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 class Cache:
     """Where element (slot, head, dim) of one cache lands: data from the YAML."""
 
-    role: str                     # k | v | index
+    role: str                     # k | v | index | k_scale | v_scale
     tensor: str                   # the API argument that holds it
-    page_size: int
+    page_size: int                # the default; a scale cache: the KV cache's
+    page_sizes: tuple[int, ...]   # the page sizes allowed (read from the tensor), sorted
     shape: tuple[ex.Expr, ...]
     index: tuple[ex.Expr, ...]
     free: tuple[int, ...]         # dims whose stride is read at run time
-    runtime_dim: int              # the one dim whose extent is read from the tensor (pages)
+    runtime_dim: int              # the one dim whose extent is read from the tensor
     runtime_name: str
+
+    @property
+    def counts_slots(self) -> bool:
+        """Whether the run-time extent counts slots (indexed by `slot`), not pages."""
+        return self.index[self.runtime_dim] == ex.Sym("slot")
 
 
 @dataclass(frozen=True)
@@ -141,6 +166,8 @@ class Contract:
     k: Cache
     v: Cache
     index: Cache
+    k_scale: Cache | None         # per_token_head's scale caches (both or neither)
+    v_scale: Cache | None
     line: int = field(compare=False, hash=False, default=0)
     source: str = field(compare=False, hash=False, default="variants.yaml")
 
@@ -165,10 +192,23 @@ class Variant:
     index_dtype: IndexDtype | None   # None unless index_mode is full
     kv_scale: KvScale
     fp8: Fp8 | None                  # None unless something is stored as FP8
+    kv_page_size: int                # slots per page of K, V (and their scale caches)
+    index_page_size: int             # of the index cache
+    q_fp8: QFp8
 
     @property
     def kv_fp8(self) -> bool:
         return self.kv_scale is not KvScale.NONE
+
+    def page_size(self, role: str) -> int:
+        """The page size of one of the contract's caches (DATA_ROLES, SCALE_ROLES)."""
+        return self.index_page_size if role == "index" else self.kv_page_size
+
+    def caches(self) -> tuple[Cache, ...]:
+        """The contract's caches this variant writes (scale caches with per-token scales)."""
+        c = self.contract
+        extra = (c.k_scale, c.v_scale) if self.kv_scale.dynamic else ()
+        return (c.k, c.v, c.index, *extra)  # type: ignore[return-value]
 
     @property
     def index_fp8(self) -> bool:
@@ -188,6 +228,13 @@ class Variant:
         ]
         if self.rope is not Rope.NEOX:  # NeoX unspelled: the names of the libraries before the axis
             parts.insert(7, self.rope.value)
+        # Axes added later are spelled where they differ from what names before them meant.
+        if self.kv_page_size != self.contract.k.page_size:
+            parts.append(f"kvp{self.kv_page_size}")
+        if self.index_page_size != self.contract.index.page_size:
+            parts.append(f"ip{self.index_page_size}")
+        if self.q_fp8 is not QFp8.NONE:
+            parts.append("qfp8")
         if self.fp8 is not None:
             parts.append(self.fp8.value)
         return "_".join(parts)
@@ -210,11 +257,18 @@ class Variant:
             out["index_dtype"] = self.index_dtype.value
         if self.fp8 is not None:
             out["fp8"] = self.fp8.value
+        # The later axes where the name spells them (elsewhere they are what they were before them).
+        if self.kv_page_size != self.contract.k.page_size:
+            out["kv_page_size"] = str(self.kv_page_size)
+        if self.index_page_size != self.contract.index.page_size:
+            out["index_page_size"] = str(self.index_page_size)
+        if self.q_fp8 is not QFp8.NONE:
+            out["q_fp8"] = self.q_fp8.value
         return out
 
 
 AXES = ("contract", "dtype", "head_dim", "rotary_dim", "num_kv_heads", "cos_sin", "norm",
-        "rope", "index_mode", "index_dtype", "kv_scale", "fp8")
+        "rope", "index_mode", "index_dtype", "kv_scale", "fp8", "kv_page_size", "index_page_size", "q_fp8")
 
 
 @dataclass(frozen=True)
@@ -330,19 +384,34 @@ def _list_of(parse: Callable[[Any], Any]) -> Callable[[Any], tuple]:
 
 
 # ----------------------------------------------------------------------------- contracts
-def _parse_cache(errs: _Errors, data: Any, path: str, line: int, role: str) -> Cache | None:
-    sec = _Section(errs, data, path, line, ("tensor", "page_size", "shape", "index", "free"))
+def _parse_cache(errs: _Errors, data: Any, path: str, line: int, role: str,
+                 kv_pages: tuple[int, tuple[int, ...]] | None = None) -> Cache | None:
+    """One cache of a contract. A scale cache (kv_pages given: the KV cache's default and
+    allowed page sizes) takes the KV cache's page size and has no `d`."""
+    scale = kv_pages is not None
+    keys = ("tensor", "shape", "index", "free") if scale else ("tensor", "page_size", "page_sizes", "shape",
+                                                               "index", "free")
+    sec = _Section(errs, data, path, line, keys)
     if not sec.ok:
         return None
     n_before = len(errs.items)
+    names = SCALE_TENSORS if scale else CACHE_TENSORS
 
     def tensor(v: Any) -> str:
-        if v not in CACHE_TENSORS:
-            raise ValueError(f"expected one of {', '.join(CACHE_TENSORS)}, got {v!r}")
+        if v not in names:
+            raise ValueError(f"expected one of {', '.join(names)}, got {v!r}")
         return v
 
     name = sec.get("tensor", tensor)
-    page_size = sec.get("page_size", _pos_int)
+    if scale:
+        page_size, page_sizes = kv_pages
+    else:
+        page_size = sec.get("page_size", _pos_int)
+        page_sizes = sec.get("page_sizes", _list_of(_pos_int), required=False, default=None)
+        if page_size is not None and page_sizes is not None and page_size not in page_sizes:
+            errs.add(sec.key_line("page_sizes"), f"{path}.page_sizes",
+                     f"must list the default page_size {page_size}")
+        page_sizes = tuple(sorted(set(page_sizes or (page_size,))))
     shape_raw = sec.get("shape", _list_of(lambda v: v))
     index_raw = sec.get("index", _list_of(lambda v: v))
     free = sec.get("free", _list_of(_nonneg_int), required=False, default=())
@@ -355,16 +424,17 @@ def _parse_cache(errs: _Errors, data: Any, path: str, line: int, role: str) -> C
         except ex.ExprError as err:
             errs.add(_line_of(sec.data["shape"], i, sec.key_line("shape")), f"{path}.shape[{i}]", str(err))
             continue
-        names = e.symbols() - COMPILE_TIME_SYMBOLS
-        if names and not isinstance(e, ex.Sym):
+        names_in = e.symbols() - COMPILE_TIME_SYMBOLS
+        if names_in and not isinstance(e, ex.Sym):
             errs.add(_line_of(sec.data["shape"], i, sec.key_line("shape")), f"{path}.shape[{i}]",
                      f"a run-time extent must stand alone, got '{text}'")
-        elif names:
+        elif names_in:
             runtime.append((i, e.name))  # type: ignore[union-attr]
         shape.append(e)
+    allowed = INDEX_SYMBOLS - {"d"} if scale else INDEX_SYMBOLS
     for i, text in enumerate(index_raw or ()):
         try:
-            index.append(ex.parse(text, INDEX_SYMBOLS))
+            index.append(ex.parse(text, allowed))
         except ex.ExprError as err:
             errs.add(_line_of(sec.data["index"], i, sec.key_line("index")), f"{path}.index[{i}]", str(err))
     if len(errs.items) != n_before:
@@ -375,23 +445,24 @@ def _parse_cache(errs: _Errors, data: Any, path: str, line: int, role: str) -> C
         return None
     if len(runtime) != 1:
         errs.add(sec.key_line("shape"), f"{path}.shape",
-                 "needs exactly one run-time extent (the page count, e.g. 'pages'), "
+                 "needs exactly one run-time extent (the page count, e.g. 'pages', or the slot count), "
                  f"found {len(runtime)}")
         return None
     rdim, rname = runtime[0]
-    if index[rdim] != ex.Sym("page"):
+    if index[rdim] not in (ex.Sym("page"), ex.Sym("slot")):
         errs.add(sec.key_line("index"), f"{path}.index[{rdim}]",
-                 f"the run-time dimension '{rname}' must be indexed by 'page', got '{index[rdim]}'")
+                 f"the run-time dimension '{rname}' must be indexed by 'page' or 'slot', got '{index[rdim]}'")
         return None
     for d in free:
         if d >= len(shape):
             errs.add(sec.key_line("free"), f"{path}.free", f"dimension {d} does not exist "
                      f"(the shape has {len(shape)})")
             return None
-        if not index[d].symbols() <= {"page"} | COMPILE_TIME_SYMBOLS:
+        syms = index[d].symbols() - COMPILE_TIME_SYMBOLS
+        if not (syms <= {"page"} or syms == {"slot"} or (syms == {"h"} and d < rdim)):
             errs.add(sec.key_line("free"), f"{path}.free",
                      f"dimension {d} is indexed by '{index[d]}'; only a dimension indexed by "
-                     "'page' may have a free stride")
+                     "'page' or 'slot', or by 'h' ahead of the run-time extent, may have a free stride")
             return None
     for d in range(len(shape)):
         if d < rdim and d not in free:
@@ -399,10 +470,10 @@ def _parse_cache(errs: _Errors, data: Any, path: str, line: int, role: str) -> C
                      f"dimension {d} lies outside the run-time extent '{rname}', so its stride "
                      "is not a constant; list it under 'free'")
             return None
-    if role != "index" and "h" not in set().union(*(e.symbols() for e in index)):
+    if role not in ("index",) and "h" not in set().union(*(e.symbols() for e in index)):
         errs.add(sec.key_line("index"), f"{path}.index", "never uses the head 'h'")
         return None
-    return Cache(role=role, tensor=name, page_size=page_size, shape=tuple(shape),
+    return Cache(role=role, tensor=name, page_size=page_size, page_sizes=page_sizes, shape=tuple(shape),
                  index=tuple(index), free=tuple(sorted(set(free))), runtime_dim=rdim,
                  runtime_name=rname)
 
@@ -428,20 +499,34 @@ def _parse_contract(errs: _Errors, name: str, data: Any, line: int) -> Contract 
     rbq = sec.get("round_before_quant", _bool, required=False, default=True)
     slots = sec.get("index_slots", IndexSlots.parse)
     caches_sec = _Section(errs, sec.data.get("caches", LocDict()), f"{path}.caches",
-                          sec.key_line("caches"), ("k", "v", "index"))
+                          sec.key_line("caches"), DATA_ROLES + SCALE_ROLES)
     if "caches" not in sec.data:
         errs.add(sec.line, f"{path}.caches", "missing required key")
     caches: dict[str, Cache | None] = {}
-    for role in ("k", "v", "index"):
+    for role in DATA_ROLES:
         if role not in caches_sec.data:
             if "caches" in sec.data:
                 errs.add(caches_sec.line, f"{path}.caches.{role}", "missing required key")
             continue
         caches[role] = _parse_cache(errs, caches_sec.data[role], f"{path}.caches.{role}",
                                     caches_sec.key_line(role), role)
+    k = caches.get("k")
+    given = [r for r in SCALE_ROLES if r in caches_sec.data]
+    if given and len(given) != len(SCALE_ROLES):
+        missing = next(r for r in SCALE_ROLES if r not in given)
+        errs.add(caches_sec.line, f"{path}.caches.{missing}",
+                 f"missing required key (per-token scales need both {' and '.join(SCALE_ROLES)})")
+    elif given and k:
+        for role in SCALE_ROLES:
+            caches[role] = _parse_cache(errs, caches_sec.data[role], f"{path}.caches.{role}",
+                                        caches_sec.key_line(role), role, (k.page_size, k.page_sizes))
+    if scales and (KvScale.PER_TOKEN_HEAD in scales) != bool(given):
+        errs.add(sec.key_line("scales"), f"{path}.scales",
+                 "per_token_head needs the scale caches k_scale and v_scale under caches"
+                 if not given else "lists no per_token_head, so the scale caches mean nothing")
     if len(errs.items) != n_before:
         return None
-    k, v, idx = caches["k"], caches["v"], caches["index"]
+    v, idx = caches["v"], caches["index"]
     assert k and v and idx
     kv_tensors = {k.tensor, v.tensor}
     if kv_tensors not in ({"k_cache", "v_cache"}, {"kv_cache"}) or k.tensor == "v_cache":
@@ -453,20 +538,19 @@ def _parse_contract(errs: _Errors, name: str, data: Any, line: int) -> Contract 
         errs.add(caches_sec.key_line("index"), f"{path}.caches.index.tensor",
                  f"expected index_cache, got {idx.tensor}")
         return None
-    if k.tensor == v.tensor and (k.shape, k.page_size, k.free) != (v.shape, v.page_size, v.free):
+    if k.tensor == v.tensor and (k.shape, k.page_size, k.page_sizes, k.free) != (v.shape, v.page_size, v.page_sizes,
+                                                                                  v.free):
         errs.add(caches_sec.key_line("v"), f"{path}.caches.v",
-                 "shares its tensor with k, so shape, page_size and free must match k's")
+                 "shares its tensor with k, so shape, page_size, page_sizes and free must match k's")
         return None
-    if k.page_size != v.page_size:
+    if (k.page_size, k.page_sizes) != (v.page_size, v.page_sizes):
         errs.add(caches_sec.key_line("v"), f"{path}.caches.v.page_size",
-                 f"k and v share slot_mapping, so page sizes must match ({k.page_size} vs {v.page_size})")
-        return None
-    if slots is IndexSlots.SHARED and idx.page_size != k.page_size:
-        errs.add(sec.key_line("index_slots"), f"{path}.index_slots",
-                 "'shared' index slots need the index cache's page_size to equal the KV cache's")
+                 f"k and v share slot_mapping, so page sizes must match ({k.page_size} vs {v.page_size}, "
+                 f"allowed {list(k.page_sizes)} vs {list(v.page_sizes)})")
         return None
     return Contract(name=name, engine=engine, scales=scales, saturation=saturation,
-                    round_before_quant=rbq, index_slots=slots, k=k, v=v, index=idx, line=line, source=errs.filename)
+                    round_before_quant=rbq, index_slots=slots, k=k, v=v, index=idx,
+                    k_scale=caches.get("k_scale"), v_scale=caches.get("v_scale"), line=line, source=errs.filename)
 
 
 # ----------------------------------------------------------------------------- variants
@@ -505,13 +589,26 @@ _DEFAULT_CHECKS: dict[str, Callable[[Any], Any]] = {
     "rotary_dim": lambda v: _rotary(v, 256), "num_kv_heads": _pos_int,
     "cos_sin": lambda v: v if v == "model" else DType.parse(v), "norm": Norm.parse,
     "rope": Rope.parse, "index_mode": IndexMode.parse, "index_dtype": IndexDtype.parse, "kv_scale": KvScale.parse,
-    "fp8": Fp8.parse,
+    "fp8": Fp8.parse, "kv_page_size": lambda v: _page_size(v, None), "index_page_size": lambda v: _page_size(v, None),
+    "q_fp8": QFp8.parse,
 }
+
+
+def _page_size(value: Any, cache: Cache | None) -> int:
+    """`contract` (the cache's default) or one of the page sizes the cache allows."""
+    if value == "contract":
+        return cache.page_size if cache else 0
+    size = _pos_int(value)
+    if cache and size not in cache.page_sizes:
+        allowed = ", ".join(map(str, cache.page_sizes))
+        raise ValueError(f"the {cache.role} cache ({cache.tensor}) allows page sizes {allowed}, not {size}")
+    return size
 
 
 # Axes added after version 1, with the value every file written before them meant: such a
 # file still parses (its variants keep their names) without naming them in its defaults.
-_LATER_AXES = {"rope": Rope.NEOX.value}
+_LATER_AXES = {"rope": Rope.NEOX.value, "kv_page_size": "contract", "index_page_size": "contract",
+               "q_fp8": QFp8.NONE.value}
 
 
 def _is_scalar(value: Any) -> bool:
@@ -543,6 +640,8 @@ def make_variant(contracts: Mapping[str, Contract], p: Mapping[str, Any]) -> Var
 
     The runtime derives signatures through this same function, so a signature is
     servable exactly when the YAML could list it."""
+    p = {**_LATER_AXES, **p}  # a point written before an axis existed means its old value
+
     def parse(axis: str, fn: Callable[[Any], Any]) -> Any:
         try:
             return fn(p[axis])
@@ -570,11 +669,15 @@ def make_variant(contracts: Mapping[str, Contract], p: Mapping[str, Any]) -> Var
         allowed = ", ".join(s.value for s in contract.scales)
         raise PointError("kv_scale", f"contract {cname} allows kv_scale {allowed}, "
                           f"not {kv_scale.value}")
-    uses_fp8 = kv_scale is not KvScale.NONE or idx_dtype is IndexDtype.FP8
+    q_fp8 = parse("q_fp8", QFp8.parse)
+    uses_fp8 = kv_scale is not KvScale.NONE or idx_dtype is IndexDtype.FP8 or q_fp8 is not QFp8.NONE
     fp8 = parse("fp8", Fp8.parse) if uses_fp8 else None
+    kv_pages = parse("kv_page_size", lambda x: _page_size(x, contract.k))
+    index_pages = parse("index_page_size", lambda x: _page_size(x, contract.index))
     return Variant(contract=contract, dtype=dtype, head_dim=head_dim, rotary_dim=rotary,
                    num_kv_heads=nkv, cos_sin=cos_sin, norm=norm, rope=rope, index_mode=mode,
-                   index_dtype=idx_dtype, kv_scale=kv_scale, fp8=fp8)
+                   index_dtype=idx_dtype, kv_scale=kv_scale, fp8=fp8, kv_page_size=kv_pages,
+                   index_page_size=index_pages, q_fp8=q_fp8)
 
 
 def _matches(point: Mapping[str, Any], rule: Mapping[str, Any]) -> bool:

@@ -18,7 +18,7 @@ import jinja2
 from . import __version__
 from . import lanes
 from .layout import access
-from .model import DType, Fp8, IndexMode, KvScale, Norm, Rope, Saturation, Spec, Variant
+from .model import DType, Fp8, IndexMode, KvScale, Norm, QFp8, Rope, Saturation, Spec, Variant
 from .paths import GENERATED, INCLUDE, TEMPLATES
 
 _ENV = jinja2.Environment(
@@ -32,7 +32,9 @@ _ENV = jinja2.Environment(
 _TEMPLATE = "variant.hip.j2"
 _DTYPE = {DType.BF16: "BF16", DType.FP16: "FP16", DType.FP32: "F32"}
 _INDEX_MODE = {IndexMode.FULL: "Full", IndexMode.SKIP: "Skip", IndexMode.NONE: "None"}
-_SCALE = {KvScale.UNIT: "Unit", KvScale.PER_TENSOR: "PerTensor", KvScale.PER_HEAD: "PerHead"}
+_SCALE = {KvScale.UNIT: "Unit", KvScale.PER_TENSOR: "PerTensor", KvScale.PER_HEAD: "PerHead",
+          KvScale.PER_TOKEN_HEAD: "PerTokenHead"}
+_STRUCT = {"k": "K", "v": "V", "index": "Index", "k_scale": "KScale", "v_scale": "VScale"}
 _FP8 = {Fp8.E4M3FN: "E4M3FN", Fp8.E4M3FNUZ: "E4M3FNUZ"}
 _ROPE = {Rope.NEOX: "NeoxRope", Rope.GPTJ: "GptjRope"}
 _PARAMS = (("c", "const kvf_cache_t& c"), ("page", "int64_t page"), ("off", "uint32_t off"),
@@ -60,10 +62,10 @@ def kernel_sources() -> dict[str, bytes]:
 def _describe(v: Variant) -> str:
     """Canonical text of everything the variant's source depends on in the YAML."""
     c = v.contract
-    caches = {role: {"tensor": cc.tensor, "page_size": cc.page_size,
-                     "shape": [str(e) for e in cc.shape], "index": [str(e) for e in cc.index],
-                     "free": list(cc.free)}
-              for role, cc in (("k", c.k), ("v", c.v), ("index", c.index))}
+    caches = {cc.role: {"tensor": cc.tensor, "page_size": v.page_size(cc.role),
+                        "shape": [str(e) for e in cc.shape], "index": [str(e) for e in cc.index],
+                        "free": list(cc.free)}
+              for cc in v.caches()}
     return json.dumps({"axes": v.axes(), "engine": c.engine, "saturation": c.saturation.value,
                        "round_before_quant": c.round_before_quant, "caches": caches},
                       sort_keys=True)
@@ -92,9 +94,9 @@ class _CacheView:
 
 def render_variant(v: Variant) -> str:
     caches = []
-    for role, struct in (("k", "K"), ("v", "V"), ("index", "Index")):
+    for cache in v.caches():
+        role, struct = cache.role, _STRUCT[cache.role]
         acc = access(v, role)
-        cache = getattr(v.contract, role)
         used = acc.offset.symbols() | ({"c"} if acc.free else set())
         params = ", ".join(decl if name in used else decl.rsplit(" ", 1)[0] for name, decl in _PARAMS)
         caches.append(_CacheView(role=role, struct=struct, tensor=cache.tensor,
@@ -107,6 +109,7 @@ def render_variant(v: Variant) -> str:
         gemma=v.norm is Norm.GEMMA, rope=_ROPE[v.rope], index_mode=_INDEX_MODE[v.index_mode],
         kv_quant=_quant(v, v.kv_fp8, v.kv_scale, v.contract.saturation is Saturation.SATURATE),
         index_quant=_quant(v, v.index_fp8, KvScale.UNIT, True),  # SPEC §1: unit scale, saturating
+        q_quant=_quant(v, v.q_fp8 is not QFp8.NONE, KvScale.PER_TENSOR, True),  # SPEC §1: saturating
         lanes=lanes.lane_map_of(v), caches=caches)
 
 

@@ -41,8 +41,14 @@ ABI_HEADER = INCLUDE / "kvforge" / "abi.h"
 # launch table is read only by the version it was tuned for. ABI_LAYOUT pins the struct
 # layout this version means (layout_digest()): a change of one without the other fails
 # tests/test_signature.py.
-ABI_VERSION = 7
-ABI_LAYOUT = "38b1dcdc9f797188"
+ABI_VERSION = 8
+# The version of what a tuned launch means (the LAUNCH fields, the defines they name, and the
+# kernel schedule's reading of them): a tuned table (tuning/) is read only by the launch ABI it
+# was tuned for. An ABI change that leaves the launch alone (an argument added) keeps the
+# tables. LAUNCH_LAYOUT pins the fields and defines it means (launch_digest()).
+LAUNCH_ABI = 7
+LAUNCH_LAYOUT = "e66a40db6e5d24e9"
+ABI_LAYOUT = "ab01d6f5c914eac0"
 
 
 class Kind(enum.Enum):
@@ -76,7 +82,9 @@ class Use(enum.Enum):
     KV_APART = "contracts that keep K and V in two tensors"
     KV_TOGETHER = "contracts that keep K and V in one tensor"
     INDEX = "index_mode 'full'"
-    KV_FP8 = "an FP8 KV cache"
+    KV_FP8 = "an FP8 KV cache at a given scale"
+    KV_DYNAMIC = "an FP8 KV cache with per-token scales (per_token_head)"
+    Q_FP8 = "an FP8 query output"
 
 
 @dataclass(frozen=True)
@@ -147,7 +155,8 @@ def _ptr(name: str, ctype: str = "const void*", note: str = "") -> CField:
 
 _SLOTS = "[num_tokens] or shorter (tokens past it write no cache), contiguous"
 _WEIGHT = "[head_dim] (the size of q_norm_weight), contiguous"
-_OUT = "[num_tokens, {h}, head_dim] or [num_tokens, {h} * head_dim], contiguous"
+_OUT = ("[num_tokens, {h}, head_dim] or [num_tokens, {h} * head_dim]: rows of contiguous elements, the row stride "
+        "a multiple of 16 bytes (a view of qkv writes in place)")
 _CACHE = "the contract's {c} layout at this signature; free strides multiples of 16 bytes"
 _KV_DTYPE = "the model dtype, or FP8 (float8_e4m3fn, float8_e4m3fnuz)"
 
@@ -184,10 +193,26 @@ ARGS: tuple[Arg, ...] = (
         axis="kv_scale", default=None),
     Arg("v_scale", Kind.INPUT, "float32", "k_scale's granularity", Use.KV_FP8, optional="a unit scale",
         field=_ptr("v_scale", "const float*"), default=None),
+    # Per-token scales: the kernel writes one fp32 per (slot, kv head) where the contract says.
+    Arg("k_scale_cache", Kind.CACHE, "float32", _CACHE.format(c="K-scale"), Use.KV_DYNAMIC,
+        field=CField("k_scale_cache", "kvf_cache_t"), role="k_scale", default=None),
+    Arg("v_scale_cache", Kind.CACHE, "float32", _CACHE.format(c="V-scale"), Use.KV_DYNAMIC,
+        field=CField("v_scale_cache", "kvf_cache_t"), role="v_scale", default=None),
     Arg("q_out", Kind.OUTPUT, "qkv's", _OUT.format(h="num_heads"),
-        field=_ptr("q_out", "void*", "[T, nq, D] contiguous"), default=None),
+        optional="not written, where q_fp8_out is given",
+        field=_ptr("q_out", "void*", "[T, nq, D] rows, or null (q_fp8_out only)"), default=None),
+    Arg("q_fp8_out", Kind.OUTPUT, "FP8 (the flavour of the FP8 caches)", _OUT.format(h="num_heads"), Use.Q_FP8,
+        optional="no FP8 query output", field=_ptr("q_fp8_out", "void*", "[T, nq, D] rows: q / q_fp8_scale"),
+        axis="q_fp8", default=None),
+    Arg("q_fp8_scale", Kind.INPUT, "float32", "[1] or []", Use.Q_FP8,
+        field=_ptr("q_fp8_scale", "const float*", "[1], with q_fp8_out"), default=None),
+    # The rotated K and index_k beside their caches (vLLM's op writes them back into qkv).
+    Arg("k_out", Kind.OUTPUT, "qkv's", _OUT.format(h="num_kv_heads"), optional="not written",
+        field=_ptr("k_out", "void*", "[T, nkv, D] rows, or null"), default=None),
     Arg("index_q_out", Kind.OUTPUT, "index_cache's", _OUT.format(h="num_index_heads"), Use.INDEX,
-        field=_ptr("index_q_out", "void*", "[T, niq, D] contiguous"), default=None),
+        field=_ptr("index_q_out", "void*", "[T, niq, D] rows"), default=None),
+    Arg("index_k_out", Kind.OUTPUT, "qkv's", _OUT.format(h="1"), Use.INDEX, optional="not written",  # [T, 1, D]
+        field=_ptr("index_k_out", "void*", "[T, D] rows, or null"), default=None),
     Arg("num_heads", Kind.INT, "int", ">= 1", field=CField("num_heads", "int32_t")),
     Arg("num_kv_heads", Kind.INT, "int", ">= 1", axis="num_kv_heads"),
     Arg("num_index_heads", Kind.INT, "int", ">= 1 with index_mode 'full', >= 0 with 'skip', 0 with 'none'",
@@ -206,6 +231,8 @@ ARGS: tuple[Arg, ...] = (
 # The fields of kvf_args_t that are no argument. What computes each: runtime/api.py (_args).
 DERIVED: tuple[CField, ...] = (
     CField("qkv_row_stride", "int64_t", "elements"),
+    *(CField(f"{name}_row_stride", "int64_t", "elements (0 where it is null)")
+      for name in ("q_out", "q_fp8_out", "k_out", "index_q_out", "index_k_out")),
     CField("max_pos", "int64_t"),
     CField("num_slots", "int64_t", "tokens past this write no K/V"),
     CField("num_index_slots", "int64_t"),
@@ -281,6 +308,13 @@ def layout_digest() -> str:
                    for f in fields)
     dims = next(d.value for d in DEFINES if d.name == "KVF_MAX_DIMS")
     return hashlib.sha256(f"{text}KVF_MAX_DIMS={dims}".encode()).hexdigest()[:16]
+
+
+def launch_digest() -> str:
+    """What a tuned launch's fields are (names, types, order, and the defines), hashed."""
+    text = "".join(f"{f.name}:{f.ctype};" for f in LAUNCH)
+    text += "".join(f"{d.name}={d.value};" for d in DEFINES if d.name != "KVF_ABI_VERSION")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _commented(code: list[str], notes: list[str], indent: str = "", column: int = 0) -> list[str]:

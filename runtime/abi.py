@@ -8,6 +8,7 @@ from kvforge.codegen import signature
 
 _DEFINES = {d.name: d.value for d in signature.DEFINES}
 ABI_VERSION = _DEFINES["KVF_ABI_VERSION"]
+LAUNCH_ABI = signature.LAUNCH_ABI  # what a tuned table names (runtime/tuning.py)
 MAX_PIPELINE_DEPTH = _DEFINES["KVF_MAX_PIPELINE_DEPTH"]
 DEFAULT_PIPELINE_DEPTH = _DEFINES["KVF_DEFAULT_PIPELINE_DEPTH"]
 MAX_TOKENS_PER_TILE = _DEFINES["KVF_MAX_TOKENS_PER_TILE"]

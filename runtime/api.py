@@ -38,8 +38,7 @@ class _Plan:
         from kvforge.codegen.layout import access
 
         self.lib = REGISTRY.get(variant)
-        self.pages = {role: (access(variant, role).runtime_dim, access(variant, role).page_size)
-                      for _, role in _CACHES}
+        self.access = {role: access(variant, role) for _, role in _CACHES if getattr(variant.contract, role)}
         self.variant, self.device_index = variant, device_index
 
     @functools.cached_property
@@ -63,6 +62,9 @@ _SCALARS = tuple(a.name for a in signature.KERNEL_ARGS if not a.field.pointer an
 # The fields no argument fills (signature.DERIVED and LAUNCH), from the validated tensors and the launch.
 _COMPUTED = {
     "qkv_row_stride": lambda t, launch: t.qkv.stride(0),
+    **{f"{name}_row_stride": (lambda t, launch, name=name: getattr(t, name).stride(0) if getattr(t, name) is not None
+                              else 0)
+       for name in ("q_out", "q_fp8_out", "k_out", "index_q_out", "index_k_out")},
     "max_pos": lambda t, launch: t.cos_sin_cache.shape[0],
     "num_slots": lambda t, launch: t.slot_mapping.numel(),
     "num_index_slots": lambda t, launch: t.index_slot_mapping.numel() if t.index_slot_mapping is not None else 0,
@@ -79,11 +81,11 @@ def _current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
-def _cache_arg(dst, cache: Optional[Tensor], dims: tuple[int, int]) -> None:
+def _cache_arg(dst, cache: Optional[Tensor], acc) -> None:
     if cache is None:
         return
     dst.data = cache.data_ptr()
-    dst.capacity = cache.shape[dims[0]] * dims[1]
+    dst.capacity = acc.capacity(cache.shape)
     for i, s in enumerate(cache.stride()):
         dst.strides[i] = s
 
@@ -95,7 +97,7 @@ def _args(plan: _Plan, t: reference.Tensors, launch: tuning.Launch) -> Args:
     for field, name in _POINTERS:
         setattr(a, field, ptr(getattr(t, name)))
     for name, role in _CACHES:
-        _cache_arg(getattr(a, name), getattr(t, name), plan.pages[role])
+        _cache_arg(getattr(a, name), getattr(t, name), plan.access.get(role))
     return a
 
 
@@ -157,7 +159,7 @@ def launch_with(launch: tuning.Launch, toolchain: Optional[Toolchain] = None, **
     bad = launch.problems()
     if bad:
         raise ValueError(f"launch_with: {'; '.join(bad)}")
-    if kwargs.get("q_out") is None:
+    if kwargs.get("q_out") is None and kwargs.get("q_fp8_out") is None:
         raise ValueError("q_out: launch_with needs the outputs allocated")
     missing = [a.name for a in signature.CALL_ARGS if a.default is signature.REQUIRED and a.name not in kwargs]
     if missing:
@@ -279,8 +281,14 @@ def fused_qknorm_rope_cache(
     index_slot_mapping: Optional[Tensor] = None,
     k_scale: Optional[Tensor] = None,
     v_scale: Optional[Tensor] = None,
+    k_scale_cache: Optional[Tensor] = None,
+    v_scale_cache: Optional[Tensor] = None,
     q_out: Optional[Tensor] = None,
+    q_fp8_out: Optional[Tensor] = None,
+    q_fp8_scale: Optional[Tensor] = None,
+    k_out: Optional[Tensor] = None,
     index_q_out: Optional[Tensor] = None,
+    index_k_out: Optional[Tensor] = None,
     index_mode: str = "full",
     norm: str = "gemma",
     rope: str = "neox",
@@ -290,14 +298,19 @@ def fused_qknorm_rope_cache(
     """QK RMSNorm + partial RoPE + KV-cache and index-cache insert, in one launch.
 
     Returns (q_out, index_q_out); index_q_out is None unless index_mode is 'full'.
-    Outputs not passed in are allocated (index_q_out in the index cache's dtype).
+    Outputs not passed in are allocated (index_q_out in the index cache's dtype), but for
+    q_out where q_fp8_out is given: then q is written as FP8 only, and q_out is None.
+    Per-token FP8 scales (kv_scale per_token_head) are selected by passing the contract's
+    scale caches, k_scale_cache and v_scale_cache, which the kernel writes. k_out and
+    index_k_out (optional) receive the rotated K and index_k in the model dtype; any output
+    may be a view whose rows are strided (a view of qkv's columns writes in place).
     `checked=True` also validates every slot and position on the host (a sync).
     """
     # No validation on this path (a call validated before launches from the signature table):
     # the outputs are allocated from the arguments as given, and where that fails, validation
     # says which argument is at fault. Either way no tensor of the caller's is written.
     try:
-        if q_out is None:
+        if q_out is None and q_fp8_out is None:
             q_out = qkv.new_empty((qkv.shape[0], num_heads, q_norm_weight.numel()))
         if index_q_out is None and index_mode == "full" and index_cache is not None:
             index_q_out = torch.empty((qkv.shape[0], num_index_heads, q_norm_weight.numel()),
@@ -311,8 +324,8 @@ def fused_qknorm_rope_cache(
     # The op's arguments in codegen/signature.py's order (tests/test_signature.py checks it).
     args = (qkv, positions, cos_sin_cache, slot_mapping, index_slot_mapping, k_cache, v_cache, kv_cache,
             q_norm_weight, k_norm_weight, index_q_norm_weight, index_k_norm_weight, index_cache, k_scale,
-            v_scale, q_out, index_q_out, num_heads, num_kv_heads, num_index_heads, rotary_dim, eps, contract,
-            index_mode, norm, rope, checked)
+            v_scale, k_scale_cache, v_scale_cache, q_out, q_fp8_out, q_fp8_scale, k_out, index_q_out, index_k_out,
+            num_heads, num_kv_heads, num_index_heads, rotary_dim, eps, contract, index_mode, norm, rope, checked)
     if _reference:
         _run(args[:-1], checked, True)
     elif torch.compiler.is_compiling():

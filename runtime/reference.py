@@ -13,7 +13,7 @@ import torch
 
 from kvforge.codegen.lanes import lane_map_of
 from kvforge.codegen.layout import CacheAccess, access
-from kvforge.codegen.model import Fp8, IndexMode, KvScale, Norm, Rope, Saturation, Variant
+from kvforge.codegen.model import Fp8, IndexMode, KvScale, Norm, QFp8, Rope, Saturation, Variant
 from kvforge.codegen.signature import KERNEL_ARGS
 
 FP8_DTYPES = {Fp8.E4M3FN: torch.float8_e4m3fn, Fp8.E4M3FNUZ: torch.float8_e4m3fnuz}
@@ -117,18 +117,32 @@ def _scatter(v: Variant, role: str, cache: torch.Tensor, slots: torch.Tensor,
              values: torch.Tensor) -> None:
     """write_slots for the tokens whose slot is valid (padding and out-of-range skipped)."""
     acc = access(v, role)
-    keep = (slots >= 0) & (slots < cache.shape[acc.runtime_dim] * acc.page_size)
+    keep = (slots >= 0) & (slots < acc.capacity(cache.shape))
     if bool(keep.any()):
         write_slots(acc, cache, slots[keep], values[keep])
 
 
+def token_scales(v: Variant, x: torch.Tensor) -> torch.Tensor:
+    """Per-token scales (per_token_head) of the fp32 values x [T, H, D] ([T, H, 1]): AITER's
+    fused_qknorm_idxrqknorm definition, amax over the head / the FP8 max, 1 for an all-zero
+    head (the values are then divided by it)."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    return torch.where(amax > 0, amax / torch.tensor(v.fp8.max, dtype=torch.float32),
+                       torch.ones((), dtype=torch.float32))
+
+
 def _quant_kv(v: Variant, x: torch.Tensor, scale: Optional[torch.Tensor], cache_dtype) -> torch.Tensor:
+    """x [T, nkv, D] as the KV cache stores it; `scale`: the call's (None: unit) or, per
+    token, token_scales' (which x is divided by)."""
+    sat = v.contract.saturation is Saturation.SATURATE
     if v.kv_scale is KvScale.NONE:
         return x.to(cache_dtype)
+    if v.kv_scale.dynamic:
+        return to_fp8(x / scale, v.fp8, sat)
     inv = torch.ones((), device=x.device)
     if scale is not None:
         inv = (1.0 / scale.float()).view(1, -1, 1)  # [1] or [nkv] broadcasts over heads
-    return to_fp8(x * inv, v.fp8, v.contract.saturation is Saturation.SATURATE)
+    return to_fp8(x * inv, v.fp8, sat)
 
 
 def run(v: Variant, t: Tensors) -> None:
@@ -151,15 +165,26 @@ def run(v: Variant, t: Tensors) -> None:
     def zero_invalid(y: torch.Tensor) -> torch.Tensor:
         return torch.where(valid_pos.view(-1, 1, 1), y, torch.zeros((), dtype=y.dtype))
 
-    t.q_out.view(T, nq, D).copy_(zero_invalid(normed(x[:, :nq], t.q_norm_weight)).to(model))
+    q = zero_invalid(normed(x[:, :nq], t.q_norm_weight)).to(model)
+    if t.q_out is not None:
+        t.q_out.view(T, nq, D).copy_(q)
+    if v.q_fp8 is not QFp8.NONE:  # from the rounded q, saturating (SPEC §1)
+        t.q_fp8_out.view(T, nq, D).copy_(to_fp8(q.float() * (1.0 / t.q_fp8_scale.float()).view(()), v.fp8, True))
     k = normed(x[:, nq:nq + nkv], t.k_norm_weight)
+    if t.k_out is not None:
+        t.k_out.view(T, nkv, D).copy_(zero_invalid(k).to(model))
     k_src = k.to(model).float() if rbq else k
     vv = x[:, nq + nkv:nq + 2 * nkv]
     n_slots = t.slot_mapping.numel()
     slots = t.slot_mapping.long()
     kv_slots = torch.where(valid_pos[:n_slots], slots, torch.full_like(slots, -1))
-    k_vals = _quant_kv(v, k_src[:n_slots], t.k_scale, t.k_cache.dtype)
-    v_vals = _quant_kv(v, vv[:n_slots], t.v_scale, t.v_cache.dtype)
+    k_scale, v_scale = t.k_scale, t.v_scale
+    if v.kv_scale.dynamic:  # from the fp32 K (AITER's amax), K quantized from k_src all the same
+        k_scale, v_scale = token_scales(v, k[:n_slots]), token_scales(v, vv[:n_slots])
+        _scatter(v, "k_scale", t.k_scale_cache, kv_slots, k_scale)
+        _scatter(v, "v_scale", t.v_scale_cache, kv_slots, v_scale)
+    k_vals = _quant_kv(v, k_src[:n_slots], k_scale, t.k_cache.dtype)
+    v_vals = _quant_kv(v, vv[:n_slots], v_scale, t.v_cache.dtype)
     _scatter(v, "k", t.k_cache, kv_slots, k_vals)
     _scatter(v, "v", t.v_cache, kv_slots, v_vals)
     if v.index_mode is not IndexMode.FULL:
@@ -167,6 +192,8 @@ def run(v: Variant, t: Tensors) -> None:
     base = nq + 2 * nkv
     iq = normed(x[:, base:base + niq], t.index_q_norm_weight)
     ik = normed(x[:, base + niq:base + niq + 1], t.index_k_norm_weight)
+    if t.index_k_out is not None:
+        t.index_k_out.view(T, 1, D).copy_(zero_invalid(ik).to(model))
     iq = zero_invalid(iq)
     if v.index_fp8:
         iq_out = to_fp8(iq, v.fp8, saturate=True)

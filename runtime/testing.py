@@ -14,7 +14,7 @@ import torch
 
 from kvforge.codegen import signature
 from kvforge.codegen.layout import access
-from kvforge.codegen.model import IndexMode, KvScale, Variant
+from kvforge.codegen.model import IndexMode, KvScale, QFp8, Variant
 
 from .reference import FP8_DTYPES
 
@@ -79,11 +79,17 @@ def pages_needed(kind: str, num_tokens: int, page_size: int, seq_len: int = 0) -
 def make_cache(v: Variant, role: str, pages: int, dtype: torch.dtype, device,
                page_stride_pad: int = 0) -> torch.Tensor:
     """A cache tensor for `role` with `pages` pages. With page_stride_pad > 0 the free
-    page stride is larger than the page (a view into a bigger allocation)."""
+    page stride is larger than the page (a view into a bigger allocation); for a cache
+    whose run-time extent counts slots (a scale cache [nkv, slots]) the head stride is."""
     acc = access(v, role)
-    shape = [pages if e is None else e for e in acc.extents]
+    runtime = pages * (acc.page_size if acc.counts_slots else 1)
+    shape = [runtime if e is None else e for e in acc.extents]
     if not page_stride_pad or not acc.free:
         return torch.empty(shape, dtype=dtype, device=device)
+    if acc.runtime_dim != 0:  # [.., slots]: the slots of each head followed by a gap
+        wide = list(shape)
+        wide[acc.runtime_dim] += page_stride_pad * 4
+        return torch.empty(wide, dtype=dtype, device=device).narrow(acc.runtime_dim, 0, runtime)
     # Allocate [pages, 1 + pad/page] pages and view the first of each: a free page stride.
     page_elems = math.prod(s for i, s in enumerate(shape) if i != acc.runtime_dim)
     pad = page_stride_pad * max(1, 16 // torch.empty((), dtype=dtype).element_size())
@@ -119,7 +125,7 @@ def make_inputs(v: Variant, num_tokens: int, num_heads: int, num_index_heads: in
         return (torch.randn(D, generator=gen) * 0.2).to(model)
 
     kv_dtype = FP8_DTYPES[v.fp8] if v.kv_scale is not KvScale.NONE else model
-    ps = v.contract.k.page_size
+    ps = v.page_size("k")
     n_real = num_tokens if num_slots is None else num_slots
     kv_pages = pages_needed(slots, n_real, ps) + extra_pages
     sm = slot_mapping(slots, n_real, ps, kv_pages, gen)
@@ -140,8 +146,14 @@ def make_inputs(v: Variant, num_tokens: int, num_heads: int, num_index_heads: in
         n = 1 if v.kv_scale is KvScale.PER_TENSOR else nkv
         args["k_scale"] = torch.rand(n, generator=gen) * 0.5 + 0.05
         args["v_scale"] = torch.rand(n, generator=gen) * 0.5 + 0.05
+    if v.kv_scale.dynamic:  # written by the call (an output-like cache)
+        for role in ("k_scale", "v_scale"):
+            args[f"{role}_cache"] = make_cache(v, role, kv_pages, torch.float32, "cpu", page_stride_pad)
+    if v.q_fp8 is not QFp8.NONE:  # the FP8 query output (an output), q_out beside it
+        args["q_fp8_scale"] = torch.rand(1, generator=gen) * 0.05 + 0.005
+        args["q_fp8_out"] = torch.empty((num_tokens, num_heads, D), dtype=FP8_DTYPES[v.fp8])
     if full:
-        ips = v.contract.index.page_size
+        ips = v.page_size("index")
         idx_dtype = FP8_DTYPES[v.fp8] if v.index_fp8 else model
         own = v.contract.index_slots.value == "own"
         i_pages = (pages_needed(slots, n_real, ips) + extra_pages) if own else kv_pages

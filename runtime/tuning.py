@@ -14,17 +14,19 @@ call is long enough. `benchmarks/tune.py` times every depth a library holds
 KVF_MAX_TOKENS_PER_TILE), every lane count the variant has (1..its
 codegen/lanes.py: LaneMap.max_sub), and for a transposed V both places, on the GPU and writes
 tuning/<name>.json; the runtime only reads those files, so nothing is tuned at run time.
-A device or variant without an entry gets 0 for each, the library's defaults; a GPT-J
-variant the table does not name takes the ranges of its NeoX twin (the same memory
-schedule, bytes and lanes; its lane count is one the GPT-J library has too).
+A device or variant without an entry gets 0 for each, the library's defaults; a variant the
+table does not name takes the ranges of its twin (`twin`), the variant that differs only in
+axes that keep the memory schedule: NeoX for GPT-J, the contract's page sizes, no FP8 query
+output, per-tensor for per-token scales (the same bytes; a lane count the twin's library
+holds, the variant's holds too).
 
-File format: {"device": "<torch.cuda.get_device_name()>", "abi": KVF_ABI_VERSION,
+File format: {"device": "<torch.cuda.get_device_name()>", "abi": LAUNCH_ABI,
 "choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop, lanes], ..., [null, depth,
 tile, v_loop, lanes]]}}, ranges ascending, the last one open; v_loop is KVF_V_LOOP_OFF (1)
 or _ON (2) where V is transposed, else 0. Only those keys are read; the tuner also records
 its provenance ("command", "date", "torch") and where its measured times went ("timings",
-a file under benchmarks/results/). A table is read only by the ABI it was tuned for: what
-a launch field means may change with it.
+a file under benchmarks/results/). A table is read only by the launch ABI it was tuned for
+(codegen/signature.py: LAUNCH_ABI): what a launch field means may change with it.
 """
 from __future__ import annotations
 
@@ -37,10 +39,10 @@ from typing import NamedTuple, Optional
 
 from kvforge.codegen.lanes import lane_map_of
 from kvforge.codegen.layout import v_transposed
-from kvforge.codegen.model import Rope
+from kvforge.codegen.model import KvScale, QFp8, Rope
 from kvforge.codegen.paths import TUNED
 
-from .abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
+from .abi import (LAUNCH_ABI, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
                   MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS,
                   V_LOOP_OFF, V_LOOP_ON)
 
@@ -105,14 +107,25 @@ class Table:
         cannot tell how many lanes a variant's kernels hold, so a range naming more is
         refused here, at the variant's first call, rather than by the library at every call."""
         ranges = self.choices.get(variant.uri)
-        if ranges is None and variant.rope is not Rope.NEOX:
-            ranges = self.choices.get(dataclasses.replace(variant, rope=Rope.NEOX).uri)
+        if ranges is None:
+            ranges = self.choices.get(twin(variant).uri)
         ranges = ranges or ()
         for i, (_, launch) in enumerate(ranges):
             bad = lanes_problem(variant, launch.lanes)
             if bad:
                 raise TuningError(f"{self.where}: range {i}: {bad}: re-run benchmarks/tune.py")
         return ranges
+
+
+def twin(variant):
+    """The variant whose tuned launches an untuned one takes (see the module's doc)."""
+    c = variant.contract
+    kv_scale = variant.kv_scale
+    if kv_scale.dynamic and KvScale.PER_TENSOR in c.scales:
+        kv_scale = KvScale.PER_TENSOR
+    fp8 = variant.fp8 if kv_scale is not KvScale.NONE or variant.index_fp8 else None
+    return dataclasses.replace(variant, rope=Rope.NEOX, q_fp8=QFp8.NONE, kv_page_size=c.k.page_size,
+                               index_page_size=c.index.page_size, kv_scale=kv_scale, fp8=fp8)
 
 
 def pick(ranges: Ranges, tokens: int) -> Launch:
@@ -127,9 +140,9 @@ def parse(data, where: str) -> Table:
     if not isinstance(data, dict) or not isinstance(data.get("device"), str):
         raise TuningError(f"{where}: expected an object with a 'device' name")
     abi = data.get("abi")
-    if type(abi) is not int or abi != ABI_VERSION:
+    if type(abi) is not int or abi != LAUNCH_ABI:
         found = "names no ABI (it predates ABI 5)" if abi is None else f"was tuned for ABI {abi!r}"
-        raise TuningError(f"{where}: {found}, but this runtime's launches are ABI {ABI_VERSION} "
+        raise TuningError(f"{where}: {found}, but this runtime's launches are ABI {LAUNCH_ABI} "
                           f"(a field may mean something else): re-run benchmarks/tune.py")
     choices = data.get("choices")
     if not isinstance(choices, dict):

@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from kvforge.codegen.layout import VEC, access
-from kvforge.codegen.model import IndexMode, IndexSlots, PointError, Variant, make_variant
+from kvforge.codegen.layout import VEC, access, page_size_from
+from kvforge.codegen.model import SCALE_ROLES, IndexMode, IndexSlots, PointError, Variant, make_variant
 from kvforge.codegen.signature import CALL_ARGS, CALL_NAMES, KERNEL_ARGS, Arg, Kind, Use
 
 from .reference import FP8_DTYPES, Tensors
@@ -111,6 +111,16 @@ def _contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
 
 
+def _rows(name: str, t: torch.Tensor, row: int) -> None:
+    """An output's rows ([T, heads, D] or [T, heads * D]): contiguous elements each, the row
+    stride a multiple of 16 bytes and at least a row (a view of qkv's columns is one)."""
+    inner = t.stride(-1) == 1 and (t.dim() == 2 or t.stride(1) == t.shape[2])
+    stride = t.stride(0)
+    if not inner or (t.shape[0] > 1 and ((stride * t.element_size()) % 16 or stride < row)):
+        raise ValueError(f"{name}: expected rows of contiguous elements whose row stride is a multiple of 16 "
+                         f"bytes, got strides {tuple(t.stride())}")
+
+
 def _aligned(name: str, t: torch.Tensor) -> None:
     if t.data_ptr() % 16:
         raise ValueError(f"{name}: expected a 16-byte aligned data pointer (the kernel moves 16-byte "
@@ -178,19 +188,29 @@ def _scale_kind(name: str, t, device, nkv: int) -> str:
 def _cache(v: Variant, role: str, name: str, t: torch.Tensor) -> None:
     acc = access(v, role)
     shape = t.shape
-    pages = getattr(v.contract, role).runtime_name
+    cache = getattr(v.contract, role)
+    pages = cache.runtime_name
     if len(shape) != len(acc.extents) or any(e is not None and s != e for s, e in zip(shape, acc.extents)):
         expected = [pages if e is None else str(e) for e in acc.extents]
+        sizes = ""
+        if len(cache.page_sizes) > 1:
+            sizes = f" (page size {acc.page_size}; the contract allows {', '.join(map(str, cache.page_sizes))})"
         raise ValueError(f"{name}: expected shape [{', '.join(expected)}] for contract "
-                         f"{v.contract.name} with this signature, got {_shape(t)}")
+                         f"{v.contract.name} with this signature{sizes}, got {_shape(t)}")
     if shape[acc.runtime_dim] < 1:
         raise ValueError(f"{name}: expected a cache of at least one page ({pages} >= 1), "
                          f"got shape {_shape(t)}")
+    # A free stride of a data cache moves 16-byte vectors; a scale cache's, single values.
+    unit = t.element_size() if role in SCALE_ROLES else 16
     for i, (size, stride, want) in enumerate(zip(t.shape, t.stride(), acc.contiguous_strides)):
         if want is None:
-            if (stride * t.element_size()) % 16:
-                raise ValueError(f"{name}: expected the stride of dimension {i} to be a multiple of 16 "
+            if (stride * t.element_size()) % unit:
+                raise ValueError(f"{name}: expected the stride of dimension {i} to be a multiple of {unit} "
                                  f"bytes, got strides {tuple(t.stride())}")
+            inner = sum((n - 1) * st for n, st in zip(t.shape[i + 1:], t.stride()[i + 1:])) + 1
+            if size > 1 and stride < inner:  # (a head-indexed free dim: heads must not overlap)
+                raise ValueError(f"{name}: expected the stride of dimension {i} to span the dimensions after "
+                                 f"it ({inner} elements), got strides {tuple(t.stride())}")
         elif size > 1 and stride != want:
             raise ValueError(f"{name}: expected stride {want} in dimension {i} (contiguous, as contract "
                              f"{v.contract.name} lays it out), got strides {tuple(t.stride())}")
@@ -207,6 +227,21 @@ _NO_INDEX = {IndexMode.SKIP: "index_mode 'skip' reads and writes nothing index-r
              IndexMode.NONE: "index_mode 'none' has no index branch"}
 # The validated arguments by name; a call missing one or naming another is a TypeError.
 _Call = collections.namedtuple("_Call", CALL_NAMES)
+
+
+def _variant(contracts, point: dict, k_name: str) -> Variant:
+    """The variant of a signature's axis values (made once per signature)."""
+    key = tuple(point.values())
+    variant = _SIGNATURES.get(key)
+    if variant is None:
+        try:
+            variant = _SIGNATURES[key] = make_variant(contracts, point)
+        except PointError as e:
+            arg = (k_name if e.axis in ("fp8", "kv_page_size") else "index_cache" if e.axis == "index_page_size"
+                   else "k_scale_cache" if e.axis == "kv_scale" and point["kv_scale"] == "per_token_head"
+                   else _AXIS_ARGUMENT.get(e.axis, e.axis))
+            raise ValueError(f"{arg}: unsupported signature: {e.axis}: {e}") from None
+    return variant
 
 
 def _required(use: Use) -> tuple[Arg, ...]:
@@ -344,15 +379,35 @@ def check(*, outputs: bool = True, **given) -> tuple[Variant, Tensors]:
     else:
         for x in _USED[Use.INDEX]:
             _absent(x.name, getattr(a, x.name), _NO_INDEX[mode])
-    fp8 = _fp8_flavour([(k_name, k_cache), ("index_cache", index_cache)])
-    if k_cache.dtype in FP8_NAMES:
+    q_fp8_out = a.q_fp8_out
+    q_fp8 = q_fp8_out is not None
+    if q_fp8:
+        _tensor("q_fp8_out", q_fp8_out, device=device)
+        _dtype("q_fp8_out", q_fp8_out, tuple(FP8_NAMES))
+        q_fp8_scale = _present("q_fp8_scale", a.q_fp8_scale, "the scale of q_fp8_out", device)
+        _dtype("q_fp8_scale", q_fp8_scale, (torch.float32,))
+        if q_fp8_scale.numel() != 1 or q_fp8_scale.dim() > 1:
+            raise ValueError(f"q_fp8_scale: expected shape (1,) or () (a device scalar), got {_shape(q_fp8_scale)}")
+    else:
+        _absent("q_fp8_scale", a.q_fp8_scale, "q_fp8_out is None: there is no FP8 query output")
+    fp8 = _fp8_flavour([(k_name, k_cache), ("index_cache", index_cache), ("q_fp8_out", q_fp8_out)])
+    dynamic = a.k_scale_cache is not None or a.v_scale_cache is not None
+    if k_cache.dtype in FP8_NAMES and dynamic:
+        for x in _USED[Use.KV_DYNAMIC]:
+            _present(x.name, getattr(a, x.name), "per-token scales are written to both scale caches", device)
+            _dtype(x.name, getattr(a, x.name), (torch.float32,))
+        for x in _USED[Use.KV_FP8]:
+            _absent(x.name, getattr(a, x.name), "per-token scales (k_scale_cache, v_scale_cache) are computed "
+                                                "by the kernel, not given")
+        kv_scale = "per_token_head"
+    elif k_cache.dtype in FP8_NAMES:
         ks = _scale_kind("k_scale", a.k_scale, device, num_kv_heads)
         vs = _scale_kind("v_scale", a.v_scale, device, num_kv_heads)
         if ks != vs:
             raise ValueError(f"v_scale: expected the granularity of k_scale ({ks}), got {vs}")
         kv_scale = ks
     else:
-        for x in _USED[Use.KV_FP8]:
+        for x in (*_USED[Use.KV_FP8], *_USED[Use.KV_DYNAMIC]):
             _absent(x.name, getattr(a, x.name), f"{k_name} is {_dt(k_cache.dtype)}: a model-dtype cache takes no scale")
         kv_scale = "none"
 
@@ -361,28 +416,37 @@ def check(*, outputs: bool = True, **given) -> tuple[Variant, Tensors]:
         "cos_sin": COS_SIN_DTYPES[cos_sin_cache.dtype], "contract": a.contract,
         **{x.axis: choice[x.name].value for x in _CHOICES},
         "index_dtype": "fp8" if full and index_cache.dtype in FP8_NAMES else "model",
-        "kv_scale": kv_scale, "fp8": fp8 or "e4m3fn",
+        "kv_scale": kv_scale, "fp8": fp8 or "e4m3fn", "q_fp8": "per_tensor" if q_fp8 else "none",
+        "kv_page_size": "contract", "index_page_size": "contract",
     }
-    key = tuple(point.values())
-    variant = _SIGNATURES.get(key)
-    if variant is None:
-        try:
-            variant = _SIGNATURES[key] = make_variant(contracts, point)
-        except PointError as e:
-            arg = k_name if e.axis == "fp8" else _AXIS_ARGUMENT.get(e.axis, e.axis)
-            raise ValueError(f"{arg}: unsupported signature: {e.axis}: {e}") from None
+    variant = _variant(contracts, point, k_name)
+    # The page sizes, read from the caches' shapes (an unrecognised shape keeps the default, whose
+    # shape the cache's check then names).
+    read = {"kv_page_size": page_size_from(variant, "k", tuple(k_cache.shape))}
+    if full:
+        read["index_page_size"] = page_size_from(variant, "index", tuple(index_cache.shape))
+    read = {axis: size for axis, size in read.items() if size is not None and size != getattr(variant, axis)}
+    if read:
+        variant = _variant(contracts, {**point, **read}, k_name)
 
     _cache(variant, "k", k_name, k_cache)
     if not c.combined_kv:
         _cache(variant, "v", v_name, v_cache)
     if full:
         _cache(variant, "index", "index_cache", index_cache)
+    if kv_scale == "per_token_head":
+        _cache(variant, "k_scale", "k_scale_cache", a.k_scale_cache)
+        _cache(variant, "v_scale", "v_scale_cache", a.v_scale_cache)
     # What each output holds: its heads and dtype.
-    held = {"q_out": (num_heads, qkv.dtype), "index_q_out": (num_index_heads, index_cache.dtype if full else None)}
-    used = {Use.ALWAYS: True, Use.INDEX: full}  # (the uses an output has)
+    held = {"q_out": (num_heads, qkv.dtype), "index_q_out": (num_index_heads, index_cache.dtype if full else None),
+            "q_fp8_out": (num_heads, q_fp8_out.dtype if q_fp8 else None), "k_out": (num_kv_heads, qkv.dtype),
+            "index_k_out": (1, qkv.dtype)}
+    used = {Use.ALWAYS: True, Use.INDEX: full, Use.Q_FP8: q_fp8}  # (the uses an output has)
     for x in _OUTPUTS if outputs else ():
         out = getattr(a, x.name)
         if not used[x.use]:
+            continue
+        if out is None and x.optional and (x.name != "q_out" or q_fp8):  # q_fp8_out may stand instead of q_out
             continue
         if out is None:
             # the public function allocates it; the op itself (torch.ops) needs it passed
@@ -394,7 +458,7 @@ def check(*, outputs: bool = True, **given) -> tuple[Variant, Tensors]:
         if out.shape not in ((T, heads, D), (T, heads * D)):
             raise ValueError(f"{x.name}: expected shape ({T}, {heads}, {D}) or ({T}, {heads * D}), "
                              f"got {_shape(out)}")
-        _contiguous(x.name, out)
+        _rows(x.name, out, heads * D)
         _aligned(x.name, out)
     # The kernel's tensors: kv_cache as K and V, the index slots shared where the contract
     # says so, no index heads outside index_mode 'full'.
@@ -413,11 +477,14 @@ def check_ranges(v: Variant, t: Tensors) -> None:
         raise ValueError(f"positions: entry {i} is {int(t.positions[i])}, outside the cos_sin_cache "
                          f"rows [0, {max_pos})")
     checks = [("slot_mapping", t.slot_mapping, "k", t.k_cache), ("slot_mapping", t.slot_mapping, "v", t.v_cache)]
+    if t.k_scale_cache is not None:
+        checks += [("slot_mapping", t.slot_mapping, "k_scale", t.k_scale_cache),
+                   ("slot_mapping", t.slot_mapping, "v_scale", t.v_scale_cache)]
     if t.index_slot_mapping is not None:
         checks.append(("index_slot_mapping", t.index_slot_mapping, "index", t.index_cache))
     for name, slots, role, cache in checks:
         acc = access(v, role)
-        capacity = cache.shape[acc.runtime_dim] * acc.page_size
+        capacity = acc.capacity(cache.shape)
         bad = (slots >= capacity).nonzero()
         if bad.numel():
             i = int(bad[0])

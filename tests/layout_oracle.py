@@ -37,12 +37,14 @@ def contract_yaml(name):
     return found
 
 
-def read(contract, role, cache, slot, num_kv_heads, head_dim):
-    """[heads, D] stored for `slot` (heads = kv heads; 1 for the index cache)."""
+def read(contract, role, cache, slot, num_kv_heads, head_dim, page_size=None):
+    """[heads, D] stored for `slot` (heads = kv heads; 1 for the index cache; D = 1 for a
+    scale cache) at the cache's page size (default: the contract's)."""
     spec = contract_yaml(contract)["caches"][role]
-    ps = int(spec["page_size"])
+    ps = page_size or int(spec.get("page_size") or contract_yaml(contract)["caches"]["k"]["page_size"])
     heads = 1 if role == "index" else num_kv_heads
-    env = {"page": slot // ps, "off": slot % ps, "h": torch.arange(heads).view(-1, 1),
+    head_dim = 1 if role.endswith("_scale") else head_dim
+    env = {"page": slot // ps, "off": slot % ps, "slot": slot, "h": torch.arange(heads).view(-1, 1),
            "d": torch.arange(head_dim).view(1, -1), "D": head_dim, "nkv": num_kv_heads,
            "x": 16 // cache.element_size(), "page_size": ps}
     index = [torch.as_tensor(_eval(ast.parse(str(e), mode="eval"), env)).expand(heads, head_dim)

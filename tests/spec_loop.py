@@ -86,7 +86,10 @@ def spec_forward(*, qkv, positions, cos_sin_cache, slot_mapping, index_slot_mapp
                  q_w, k_w, iq_w, ik_w, num_heads, num_kv_heads, num_index_heads,
                  rotary_dim, eps, norm="gemma", rope_style="neox", index_mode="full",
                  kv_fp8=None, k_scale=None, v_scale=None, saturate=True,
-                 index_fp8=None, round_before_quant=True):
+                 index_fp8=None, round_before_quant=True, per_token=False, q_fp8=None, q_fp8_scale=None):
+    """per_token: K/V scales per (token, kv head), amax of the fp32 values / the FP8 max (1 if
+    zero), which the values are divided by (AITER). q_fp8 (a dtype) with q_fp8_scale: the
+    FP8 query output, q rounded then times 1/scale, saturating."""
     assert norm in ("gemma", "plain") and rope_style in ("neox", "gptj") and index_mode in ("full", "skip", "none")
     dt = qkv.dtype
     D = q_w.numel()
@@ -113,7 +116,8 @@ def spec_forward(*, qkv, positions, cos_sin_cache, slot_mapping, index_slot_mapp
         """Value K/index_k are quantized from: the model-dtype-rounded one by default."""
         return to_dtype(y, dt).float().tolist() if round_before_quant else y
 
-    q_out, iq_out, k_out, v_out, idx_out = [], [], {}, {}, {}
+    q_out, q8_out, iq_out, k_out, v_out, idx_out, k_sc, v_sc = [], [], [], {}, {}, {}, {}, {}
+    inv_q = f32(1.0 / f32(float(q_fp8_scale))) if q_fp8 is not None else None
     for t in range(T):
         row = qkv[t].float().tolist()  # exact: bf16/fp16 -> fp32
         cs = cos_sin_cache[int(positions[t])].float().tolist()
@@ -124,6 +128,9 @@ def spec_forward(*, qkv, positions, cos_sin_cache, slot_mapping, index_slot_mapp
             return rope(rmsnorm(x, w, eps, norm), cs, R, rope_style)
 
         q_out.append(to_dtype([rot(head(qs, h), wq) for h in range(nq)], dt))
+        if q_fp8 is not None:
+            q8_out.append(torch.stack([to_fp8([f32(v * inv_q) for v in qh.float().tolist()], q_fp8, True)
+                                       for qh in q_out[-1]]))
 
         # K / V: only tokens t < len(slot_mapping) with slot >= 0 are written.
         slot = slots[t] if t < len(slots) else -1
@@ -134,6 +141,13 @@ def spec_forward(*, qkv, positions, cos_sin_cache, slot_mapping, index_slot_mapp
                 if kv_fp8 is None:
                     krows.append(to_dtype(ky, dt))
                     vrows.append(to_dtype(vx, dt))  # V is raw: exact copy of the input
+                elif per_token:
+                    sk = f32(max(abs(v) for v in ky) / _FP8_MAX[kv_fp8]) or 1.0
+                    sv = f32(max(abs(v) for v in vx) / _FP8_MAX[kv_fp8]) or 1.0
+                    krows.append(to_fp8([f32(v / sk) for v in quant_src(ky)], kv_fp8, saturate))
+                    vrows.append(to_fp8([f32(v / sv) for v in vx], kv_fp8, saturate))
+                    k_sc.setdefault(t, (slot, []))[1].append(sk)
+                    v_sc.setdefault(t, (slot, []))[1].append(sv)
                 else:
                     krows.append(to_fp8([f32(v * inv_k[h]) for v in quant_src(ky)], kv_fp8, saturate))
                     vrows.append(to_fp8([f32(v * inv_v[h]) for v in vx], kv_fp8, saturate))
@@ -157,6 +171,9 @@ def spec_forward(*, qkv, positions, cos_sin_cache, slot_mapping, index_slot_mapp
     empty = torch.empty(0, nq, D, dtype=dt)
     return {
         "q_out": torch.stack(q_out) if T else empty,
+        "q_fp8_out": torch.stack(q8_out) if q8_out else None,
+        "k_scale": k_sc,
+        "v_scale": v_sc,
         "index_q_out": (torch.stack(iq_out) if T else torch.empty(0, niq, D, dtype=index_fp8 or dt))
         if do_index else None,
         "k": k_out,

@@ -131,7 +131,7 @@ def test_bad_scales_and_signatures():
     bad(f, TypeError, "k_scale: expected dtype float32, got float64", k_scale=torch.ones(1, dtype=torch.float64))
     bad(f, ValueError, "v_scale: expected the granularity of k_scale (per_tensor), got unit", v_scale=None)
     bad(f, ValueError, "k_scale: unsupported signature: kv_scale: contract vllm_shuffle16 allows kv_scale none, "
-        "per_tensor, not per_head", k_scale=torch.ones(4), v_scale=torch.ones(4))
+        "per_tensor, per_token_head, not per_head", k_scale=torch.ones(4), v_scale=torch.ones(4))
     bad(f, TypeError, "index_cache: expected dtype float8_e4m3fnuz (the FP8 flavour of k_cache), got float8_e4m3fn",
         index_cache=f["index_cache"].view(torch.float8_e4m3fn), index_q_out=None)
     bad(f, TypeError, "index_q_out: expected dtype float8_e4m3fnuz (the dtype of index_cache), got float8_e4m3fn",

@@ -35,7 +35,7 @@ from kvforge.runtime.testing import make_inputs, with_outputs
 
 SPEC = spec()
 X = re.escape
-FORM = re.compile(r"(?P<arg>[a-z_]+): (expected .+, got .+|unsupported signature: [a-z_0-9]+: .+)", re.S)
+FORM = re.compile(r"(?P<arg>[a-z_0-9]+): (expected .+, got .+|unsupported signature: [a-z_0-9]+: .+)", re.S)
 OUTPUTS = ("q_out", "index_q_out")
 
 
@@ -54,6 +54,9 @@ VARIANTS = {
     "m3": variant(contract="vllm_m3", num_kv_heads=4, kv_scale="none", index_dtype="model", rotary_dim=64),
     "skip": variant(contract="vllm_shuffle16", index_mode="skip", num_kv_heads=4, kv_scale="none"),
     "none": variant(contract="vllm_shuffle16", index_mode="none", num_kv_heads=4, kv_scale="none"),
+    "pertoken": variant(contract="vllm_shuffle16", num_kv_heads=4, kv_scale="per_token_head", fp8="e4m3fn"),
+    "aiter": variant(contract="aiter_nhd", num_kv_heads=4, kv_scale="per_token_head"),
+    "qfp8": variant(contract="vllm_shuffle16", num_kv_heads=4, q_fp8="per_tensor", kv_scale="none"),
 }
 T, NQ, NIQ = 6, 4, 2
 
@@ -97,7 +100,11 @@ def shape_of(name: str, role: str, got) -> str:
     runtime = getattr(v.contract, role).runtime_name
     dims = ", ".join(runtime if e is None else str(e) for e in access(v, role).extents)
     given = X(str(tuple(-1 if s is None else s for s in got))).replace("\\-1", r"\d+")
-    return X(f"expected shape [{dims}] for contract {v.contract.name} with this signature, got ") + given
+    cache = getattr(v.contract, role)
+    sizes = ""
+    if len(cache.page_sizes) > 1:  # the page size is read from the shape: the message says which it may be
+        sizes = f" (page size {v.page_size(role)}; the contract allows {', '.join(map(str, cache.page_sizes))})"
+    return X(f"expected shape [{dims}] for contract {v.contract.name} with this signature{sizes}, got ") + given
 
 
 def misaligned(t: torch.Tensor) -> torch.Tensor:
@@ -128,6 +135,7 @@ ROW = (NQ + 8 + NIQ + 1) * 128  # 15 heads of 128
 POS_INT = "a positive integer"
 RDIM = X("an even number in [2, head_dim=128]")
 SCALE_SHAPE = X("shape (1,) or () (per tensor) or (4,) (per kv head)")
+ROWS_OF = "rows of contiguous elements whose row stride is a multiple of 16 bytes"
 NO_SCALE = "{} is bfloat16: a model-dtype cache takes no scale"
 ALLOCATED = X("a tensor (an output the kernel writes; fused_qknorm_rope_cache allocates it when not passed)")
 
@@ -336,8 +344,8 @@ ROWS = [
     row("index_cache-dtype", "shuffle", TypeError, "index_cache", expect(KV_DTYPES, "float32"),
         index_cache=lambda a: a["index_cache"].float(), index_q_out=None),
     row("index_cache-shape", "shuffle", ValueError, "index_cache",
-        shape_of("shuffle", "index", (None, 32, 128)),
-        index_cache=lambda a: a["index_cache"][:, :32]),
+        shape_of("shuffle", "index", (None, 24, 128)),  # a page size the contract does not allow
+        index_cache=lambda a: a["index_cache"][:, :24]),
     row("index_cache-flavour", "nhd", TypeError, "index_cache",
         expect(X("dtype float8_e4m3fn (the FP8 flavour of k_cache)"), "float8_e4m3fnuz"),
         index_cache=lambda a: a["index_cache"].view(torch.float8_e4m3fnuz), index_q_out=None),
@@ -398,8 +406,59 @@ ROWS = [
         q_out=torch.empty(T, NQ, 127, dtype=torch.bfloat16)),
     row("q_out-dtype", "shuffle", TypeError, "q_out", expect("dtype bfloat16", "float16"),
         q_out=lambda a: a["q_out"].half()),
-    row("q_out-stride", "nhd", ValueError, "q_out", expect("a contiguous tensor", r"strides \(.*\)"),
+    row("q_out-stride", "nhd", ValueError, "q_out", expect(ROWS_OF, r"strides \(.*\)"),
         q_out=lambda a: torch.empty(NQ, T, 128, dtype=torch.bfloat16).transpose(0, 1)),
+    row("q_out-row-stride", "m3", ValueError, "q_out", expect(ROWS_OF, X(f"strides ({NQ * 128 + 4}, 1)")),
+        q_out=lambda a: torch.empty(T, NQ * 128 + 4, dtype=torch.bfloat16)[:, :NQ * 128]),
+    # ---- per-token scales: the scale caches
+    row("k_scale_cache-dtype", "pertoken", TypeError, "k_scale_cache", expect("dtype float32", "float16"),
+        k_scale_cache=lambda a: a["k_scale_cache"].half()),
+    row("v_scale_cache-missing", "pertoken", ValueError, "v_scale_cache",
+        expect(X("a tensor (per-token scales are written to both scale caches)"), "None"), v_scale_cache=None),
+    row("k_scale_cache-shape", "pertoken", ValueError, "k_scale_cache",
+        shape_of("pertoken", "k_scale", (None, 4, 8)), k_scale_cache=lambda a: a["k_scale_cache"][:, :, :8]),
+    row("k_scale-with-per-token", "pertoken", ValueError, "k_scale",
+        expect(X("None (per-token scales (k_scale_cache, v_scale_cache) are computed by the kernel, not given)"),
+               X("a float32 tensor of shape (1,)")), k_scale=torch.ones(1)),
+    row("k_scale_cache-for-bf16-cache", "shuffle", ValueError, "k_scale_cache",
+        expect(X(f"None ({NO_SCALE.format('k_cache')})"), X("a float32 tensor of shape (3, 4, 16)")),
+        k_scale_cache=torch.ones(3, 4, 16), v_scale_cache=torch.ones(3, 4, 16)),
+    row("k_scale_cache-unsupported", "nhd", ValueError, "k_scale_cache",
+        "unsupported signature: kv_scale: contract vllm_nhd allows kv_scale none, per_tensor, per_head, "
+        "not per_token_head", names=("k_scale_cache",), k_scale=None, v_scale=None, k_scale_cache=torch.ones(4, 64),
+        v_scale_cache=torch.ones(4, 64)),
+    row("v_scale_cache-heads-overlap", "aiter", ValueError, "v_scale_cache",
+        expect(r"the stride of dimension 0 to span the dimensions after it \(\d+ elements\)", r"strides \(8, 1\)"),
+        v_scale_cache=lambda a: a["v_scale_cache"].as_strided(a["v_scale_cache"].shape, (8, 1))),
+    # ---- the FP8 query output
+    row("q_fp8_out-dtype", "qfp8", TypeError, "q_fp8_out", expect("dtype float8_e4m3fn, float8_e4m3fnuz", "bfloat16"),
+        q_fp8_out=lambda a: a["q_out"]),
+    row("q_fp8_out-flavour", "shuffle_fp8", TypeError, "q_fp8_out",
+        expect(X("dtype float8_e4m3fnuz (the FP8 flavour of k_cache)"), "float8_e4m3fn"),
+        q_fp8_out=torch.empty(T, NQ, 128, dtype=torch.float8_e4m3fn), q_fp8_scale=torch.ones(1)),
+    row("q_fp8_out-shape", "qfp8", ValueError, "q_fp8_out",
+        expect(X(f"shape ({T}, {NQ}, 128) or ({T}, {NQ * 128})"), X(f"({T}, {NQ - 1}, 128)")),
+        q_fp8_out=torch.empty(T, NQ - 1, 128, dtype=torch.float8_e4m3fn)),
+    row("q_fp8_scale-missing", "qfp8", ValueError, "q_fp8_scale", expect(X("a tensor (the scale of q_fp8_out)"), "None"),
+        q_fp8_scale=None),
+    row("q_fp8_scale-shape", "qfp8", ValueError, "q_fp8_scale", expect(X("shape (1,) or () (a device scalar)"), X("(2,)")),
+        q_fp8_scale=torch.ones(2)),
+    row("q_fp8_scale-without-output", "shuffle", ValueError, "q_fp8_scale",
+        expect(X("None (q_fp8_out is None: there is no FP8 query output)"), X("a float32 tensor of shape (1,)")),
+        q_fp8_scale=torch.ones(1)),
+    # ---- K and index_k beside their caches
+    row("k_out-dtype", "m3", TypeError, "k_out", expect("dtype bfloat16", "float32"),
+        k_out=torch.empty(T, 4, 128)),
+    row("k_out-shape", "nhd", ValueError, "k_out", expect(X(f"shape ({T}, 4, 128) or ({T}, 512)"), X(f"({T}, 3, 128)")),
+        k_out=torch.empty(T, 3, 128, dtype=torch.bfloat16)),
+    row("k_out-stride", "shuffle", ValueError, "k_out", expect(ROWS_OF, X(f"strides ({4 * 128 + 2}, 1)")),
+        k_out=lambda a: torch.empty(T, 4 * 128 + 2, dtype=torch.bfloat16)[:, :4 * 128]),
+    row("index_k_out-in-skip-mode", "skip", ValueError, "index_k_out",
+        expect(X("None (index_mode 'skip' reads and writes nothing index-related)"), X("a bfloat16 tensor of shape (6, 128)")),
+        index_k_out=torch.empty(T, 128, dtype=torch.bfloat16)),
+    row("index_k_out-shape", "shuffle", ValueError, "index_k_out", expect(X(f"shape ({T}, 1, 128) or ({T}, 128)"),
+                                                                          X(f"({T}, 2, 128)")),
+        index_k_out=torch.empty(T, 2, 128, dtype=torch.bfloat16)),
     row("q_out-device", "sglang", ValueError, "q_out", expect(X("a tensor on cpu (where qkv is)"), "meta"),
         q_out=lambda a: a["q_out"].to(META)),
     row("q_out-0d", "m3", ValueError, "q_out",
@@ -474,9 +533,14 @@ def test_a_call_of_no_token_is_legal_and_writes_nothing(name):
             args[key] = args[key][:0]
     args.pop("q_out")
     args.pop("index_q_out", None)
+    if args.get("q_fp8_out") is not None:
+        args["q_fp8_out"] = args["q_fp8_out"][:0]
     before = {k: _bytes(t) for k, t in args.items() if isinstance(t, torch.Tensor)}
     q, iq = fused_qknorm_rope_cache(**args)
-    assert q.shape == (0, NQ, 128)
+    if args.get("q_fp8_out") is not None:
+        assert q is None  # q_fp8_out instead of q_out
+    else:
+        assert q.shape == (0, NQ, 128)
     assert (iq is None) == (VARIANTS[name].index_mode is not IndexMode.FULL)
     for k, saved in before.items():
         assert torch.equal(_bytes(args[k]), saved), k

@@ -507,7 +507,7 @@ def test_an_interrupted_build_many_stops_its_compilers_and_leaves_nothing_truste
     start, and the libraries they were writing are not left behind."""
     variants = spec().variants[:4]
     quick = variants[0].uri
-    fake = script(tmp_path / "cc", f'case "$out" in *{quick}*) echo asm > "$out"; exit 0;; esac\n'
+    fake = script(tmp_path / "cc", f'case "$out" in */{quick}.*) echo asm > "$out"; exit 0;; esac\n'
                                    'echo "run" >> "$0.log"; sleep 30; echo asm > "$out"\n')
     tc = toolchain.Toolchain("clang-hip", str(fake), "22", "gfx942", "/r")
     jobs = [build.Job(v.uri, source_of(v)) for v in variants]

@@ -19,6 +19,9 @@ GOLDEN_URIS = [
     "sglang_nhd_bf16_d128_r64_kvh1_csfp32_gemma_idxfull_model_kvunit_e4m3fn",
     "vllm_shuffle16_bf16_d128_r36_kvh4_csbf16_gemma_idxfull_model_kvnone",
     "vllm_m3_bf16_d128_r64_kvh4_csbf16_gemma_gptj_idxfull_model_kvnone",
+    # Per-token scales into [nkv, slots] scale caches; the FP8 query output.
+    "aiter_nhd_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_fp8_kvpertokenhead_e4m3fn",
+    "vllm_shuffle16_bf16_d128_r64_kvh1_csbf16_gemma_idxfull_fp8_kvpertensor_qfp8_e4m3fn",
 ]
 
 

@@ -49,21 +49,37 @@ def test_reference_matches_the_spec_loop(variant):
         v_scale=args["v_scale"].tolist() if "v_scale" in args else None,
         saturate=variant.contract.saturation.value == "saturate",
         index_fp8=fp8 if variant.index_fp8 else None,
-        round_before_quant=variant.contract.round_before_quant)
+        round_before_quant=variant.contract.round_before_quant, per_token=variant.kv_scale.dynamic,
+        q_fp8=fp8 if variant.q_fp8.value != "none" else None,
+        q_fp8_scale=float(args["q_fp8_scale"]) if "q_fp8_scale" in args else None)
     D, c, nkv = variant.head_dim, variant.contract.name, variant.num_kv_heads
-    close(q, loop["q_out"], "q_out")
+    if q is not None:
+        close(q, loop["q_out"], "q_out")
+    if loop["q_fp8_out"] is not None:
+        assert torch.equal(args["q_fp8_out"].view(torch.uint8), loop["q_fp8_out"].view(torch.uint8)), "q_fp8_out"
+    ps = {role: variant.page_size(role) for role in ("k", "index")}
     assert len(loop["k"]) == 8  # 11 tokens, 3 padded
     k_cache = args.get("k_cache", args.get("kv_cache"))
     v_cache = args.get("v_cache", args.get("kv_cache"))
     for t, (slot, k) in loop["k"].items():
-        close(read(c, "k", k_cache, slot, nkv, D), k, f"k[{t}]")
+        close(read(c, "k", k_cache, slot, nkv, D, ps["k"]), k, f"k[{t}]")
     for t, (slot, v) in loop["v"].items():
-        got = read(c, "v", v_cache, slot, nkv, D).contiguous()
+        got = read(c, "v", v_cache, slot, nkv, D, ps["k"]).contiguous()
         assert torch.equal(got.view(torch.uint8), v.view(torch.uint8)), f"v[{t}]"  # V is a copy
+    # Per-token scales: V's exact (amax of the input / max: one division); K's amax is of
+    # fp32 values the loop's plain sums and products round otherwise (SPEC §6: 2^-20 of it).
+    for role in ("k_scale", "v_scale"):
+        for t, (slot, scales) in loop[role].items():
+            got = read(c, role, args[f"{role}_cache"], slot, nkv, D, ps["k"]).flatten()
+            want = torch.tensor(scales)
+            if role == "v_scale":
+                assert torch.equal(got, want), f"{role}[{t}]"
+            else:
+                torch.testing.assert_close(got, want, rtol=2 ** -20, atol=0, msg=lambda m: f"{role}[{t}]: {m}")
     if full:
         close(iq, loop["index_q_out"], "index_q_out")
         for t, (slot, ik) in loop["index"].items():
-            close(read(c, "index", args["index_cache"], slot, nkv, D)[0], ik, f"index[{t}]")
+            close(read(c, "index", args["index_cache"], slot, nkv, D, ps["index"])[0], ik, f"index[{t}]")
     else:
         assert iq is None and loop["index"] == {}
 

@@ -76,10 +76,18 @@ def test_the_kernel_reads_what_it_read_before_the_table():
 
 
 def test_a_new_layout_has_a_new_abi_version():
-    """A library or a tuned table of the old version must not be read by the new layout."""
+    """A library of the old version must not be read by the new layout."""
     assert signature.layout_digest() == signature.ABI_LAYOUT, (
         f"kvf_args_t or kvf_cache_t changed: bump ABI_VERSION (now {signature.ABI_VERSION}) and set "
         f"ABI_LAYOUT = {signature.layout_digest()!r} in codegen/signature.py")
+
+
+def test_a_new_launch_has_a_new_launch_abi():
+    """A tuned table of the old launch must not be read where a launch field means something else."""
+    assert signature.launch_digest() == signature.LAUNCH_LAYOUT, (
+        f"the launch fields or the defines changed: bump LAUNCH_ABI (now {signature.LAUNCH_ABI}) if what a "
+        f"tuned launch means changed, and set LAUNCH_LAYOUT = {signature.launch_digest()!r} in "
+        "codegen/signature.py")
 
 
 # ---- the ctypes mirror ------------------------------------------------------------------
@@ -150,7 +158,8 @@ def test_the_reference_reads_the_arguments_the_kernel_reads():
 
 def test_every_axis_but_the_fp8_flavour_is_read_from_one_argument():
     axes = [a.axis for a in ARGS if a.axis]
-    assert sorted(axes) == sorted(set(AXES) - {"fp8"})  # the flavour: from whichever cache holds FP8
+    # The flavour: from whichever tensor holds FP8; the page sizes: from the caches' shapes.
+    assert sorted(axes) == sorted(set(AXES) - {"fp8", "kv_page_size", "index_page_size"})
     for a in ARGS:
         if a.choices:
             assert a.kind is Kind.CHOICE and a.choices.parse(a.default), a.name  # a default it takes

@@ -67,7 +67,8 @@ def test_base_is_valid():
 def test_unknown_key():
     assert errors(BASE.replace("  norm: gemma\n", "  norm: gemma\n  colour: red\n")) == [
         "variants.yaml:9: defaults.colour: unknown key (allowed: dtype, head_dim, rotary_dim, "
-        "num_kv_heads, cos_sin, norm, rope, index_mode, index_dtype, kv_scale, fp8)"]
+        "num_kv_heads, cos_sin, norm, rope, index_mode, index_dtype, kv_scale, fp8, kv_page_size, "
+        "index_page_size, q_fp8)"]
 
 
 def test_duplicate_key():
@@ -83,7 +84,7 @@ def test_bad_expression():
 def test_unknown_symbol_in_expression():
     assert errors(BASE.replace("index: [page, off, h, d]", "index: [page, off, head, d]")) == [
         "variants.yaml:30: contracts.paged.caches.v.index[2]: unknown name 'head' (known: D, d, h, "
-        "nkv, off, page, page_size, x) in 'head' at column 1"]
+        "nkv, off, page, page_size, slot, x) in 'head' at column 1"]
 
 
 def test_impossible_combination():
@@ -128,13 +129,13 @@ def test_odd_rotary_dim_and_unknown_contract():
 def test_runtime_extent_must_be_indexed_by_page():
     assert errors(BASE.replace("index: [page, off, d]", "index: [off, page, d]")) == [
         "variants.yaml:35: contracts.paged.caches.index.index[0]: the run-time dimension 'pages' "
-        "must be indexed by 'page', got 'off'"]
+        "must be indexed by 'page' or 'slot', got 'off'"]
 
 
 def test_free_stride_only_on_page_dims():
     assert errors(BASE.replace("free: [0]", "free: [0, 2]")) == [
         "variants.yaml:25: contracts.paged.caches.k.free: dimension 2 is indexed by 'd // x'; only a "
-        "dimension indexed by 'page' may have a free stride"]
+        "dimension indexed by 'page' or 'slot', or by 'h' ahead of the run-time extent, may have a free stride"]
 
 
 def test_yaml_syntax_error_points_at_line():

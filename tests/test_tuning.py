@@ -10,7 +10,7 @@ from kvforge.codegen.lanes import lane_map_of
 from kvforge.codegen.layout import v_transposed
 from kvforge.codegen.model import Rope
 from kvforge.codegen.paths import TUNED
-from kvforge.runtime.abi import (ABI_VERSION, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
+from kvforge.runtime.abi import (LAUNCH_ABI, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
                          MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF,
                          V_LOOP_ON)
 from kvforge.runtime.registry import spec
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def table(choices):
-    return {"device": "GPU X", "abi": ABI_VERSION, "choices": choices}
+    return {"device": "GPU X", "abi": LAUNCH_ABI, "choices": choices}
 
 
 def test_pick_walks_the_ranges_and_defaults_to_zero():
@@ -54,8 +54,8 @@ def test_bad_tables_are_refused_with_the_entry_named(choices, message):
 
 
 @pytest.mark.parametrize("abi,found", [(None, "names no ABI (it predates ABI 5)"), (4, "was tuned for ABI 4"),
-                                       (ABI_VERSION - 1, f"was tuned for ABI {ABI_VERSION - 1}"),
-                                       (str(ABI_VERSION), f"was tuned for ABI '{ABI_VERSION}'"),
+                                       (LAUNCH_ABI - 1, f"was tuned for ABI {LAUNCH_ABI - 1}"),
+                                       (str(LAUNCH_ABI), f"was tuned for ABI '{LAUNCH_ABI}'"),
                                        (True, "was tuned for ABI True")])
 def test_a_table_tuned_for_another_abi_is_refused(abi, found):
     data = {k: v for k, v in table({"v": [[None, 1, 1, 0, 1]]}).items() if k != "abi" or abi is not None}
@@ -63,7 +63,7 @@ def test_a_table_tuned_for_another_abi_is_refused(abi, found):
         data["abi"] = abi
     with pytest.raises(TuningError) as e:
         parse(data, "t.json")
-    assert str(e.value) == (f"t.json: {found}, but this runtime's launches are ABI {ABI_VERSION} "
+    assert str(e.value) == (f"t.json: {found}, but this runtime's launches are ABI {LAUNCH_ABI} "
                             "(a field may mean something else): re-run benchmarks/tune.py")
 
 
@@ -76,7 +76,7 @@ def test_a_file_that_is_not_json_names_its_line(tmp_path):
 
 def test_the_table_is_found_by_device_name(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(table({"v": [[16, 1, 1, 1, 1], [None, 2, 2, 2, 2]]})))
-    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "abi": ABI_VERSION, "choices": {"v": [[0, 9, 1, 0, 1]]}}))
+    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "abi": LAUNCH_ABI, "choices": {"v": [[0, 9, 1, 0, 1]]}}))
     t = table_for("GPU X", tmp_path)  # b.json is broken, but for another GPU
     launch = lambda uri, n: pick(t.choices.get(uri, ()), n)  # noqa: E731
     assert launch("v", 16) == (1, 1, 1, 1) and launch("v", 17) == (2, 2, 2, 2) and launch("other", 1) == DEFAULT
@@ -426,3 +426,21 @@ def test_a_range_naming_more_lanes_than_the_variant_holds_is_refused_at_its_firs
         t.ranges_for(one)
     assert str(e.value) == (f"{tmp_path / 't.json'}: range 1: lanes must be at most 1 for {one.uri} (rotary "
                             "halves not 8-aligned, or one lane per head), got 2: re-run benchmarks/tune.py")
+
+
+def test_an_untuned_variant_takes_the_launches_of_its_twin():
+    """Axes that keep the memory schedule (rotary style, page sizes, the FP8 query output,
+    per-token scales) map an untuned variant onto the tuned one that differs in them only."""
+    from kvforge.runtime.tuning import twin
+
+    variants = {v.uri: v for v in spec().variants}
+    base = variants["vllm_shuffle16_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_fp8_kvpertensor_e4m3fn"]
+    per_token = variants["vllm_shuffle16_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_fp8_kvpertokenhead_e4m3fn"]
+    assert twin(per_token) == base
+    assert twin(dataclasses.replace(per_token, rope=Rope.GPTJ, index_page_size=16)) == base
+    q8 = variants["vllm_shuffle16_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_model_kvnone_qfp8_e4m3fn"]
+    assert twin(q8).uri == "vllm_shuffle16_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_model_kvnone"
+    pages = variants["vllm_m3_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_model_kvnone_kvp16_ip16"]
+    assert twin(pages).uri == "vllm_m3_bf16_d128_r64_kvh4_csbf16_gemma_idxfull_model_kvnone"
+    t = table_for("NVIDIA H200")
+    assert t.ranges_for(per_token) == t.ranges_for(base) != ()

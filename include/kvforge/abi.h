@@ -5,7 +5,7 @@
 
 #include <stdint.h>
 
-#define KVF_ABI_VERSION 7
+#define KVF_ABI_VERSION 8
 #define KVF_MAX_DIMS 8
 #define KVF_MAX_PIPELINE_DEPTH 2        // a library holds the main loop at depths 1..this (see pipeline_depth)
 #define KVF_DEFAULT_PIPELINE_DEPTH 1    // the depth a call naming 0 gets
@@ -45,12 +45,23 @@ typedef struct {
   const void* index_k_norm_weight;
   const float* k_scale;               // [1] or [nkv] when the variant has one
   const float* v_scale;
-  void* q_out;                        // [T, nq, D] contiguous
-  void* index_q_out;                  // [T, niq, D] contiguous
+  void* q_out;                        // [T, nq, D] rows, or null (q_fp8_out only)
+  void* q_fp8_out;                    // [T, nq, D] rows: q / q_fp8_scale
+  const float* q_fp8_scale;           // [1], with q_fp8_out
+  void* k_out;                        // [T, nkv, D] rows, or null
+  void* index_q_out;                  // [T, niq, D] rows
+  void* index_k_out;                  // [T, D] rows, or null
   kvf_cache_t k_cache;
   kvf_cache_t v_cache;
   kvf_cache_t index_cache;
+  kvf_cache_t k_scale_cache;
+  kvf_cache_t v_scale_cache;
   int64_t qkv_row_stride;             // elements
+  int64_t q_out_row_stride;           // elements (0 where it is null)
+  int64_t q_fp8_out_row_stride;       // elements (0 where it is null)
+  int64_t k_out_row_stride;           // elements (0 where it is null)
+  int64_t index_q_out_row_stride;     // elements (0 where it is null)
+  int64_t index_k_out_row_stride;     // elements (0 where it is null)
   int64_t max_pos;
   int64_t num_slots;                  // tokens past this write no K/V
   int64_t num_index_slots;

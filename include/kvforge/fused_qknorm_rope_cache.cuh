@@ -187,17 +187,34 @@ struct RowPipe {
 template <int kSub, int LN>
 struct HeadGroup {
   KVF_DEVICE float sum(float (&v)[kSub]) const {
+    return reduce(v, [](float x, float y) { return x + y; });
+  }
+  KVF_DEVICE float max(float (&v)[kSub]) const {
+    return reduce(v, [](float x, float y) { return fmaxf(x, y); });
+  }
+  template <class Op>
+  KVF_DEVICE float reduce(float (&v)[kSub], Op op) const {
 #pragma unroll
     for (int h = kSub / 2; h >= 1; h /= 2) {
 #pragma unroll
-      for (int s = 0; s < h; ++s) v[s] += v[s + h];
+      for (int s = 0; s < h; ++s) v[s] = op(v[s], v[s + h]);
     }
     float total = v[0];
 #pragma unroll
-    for (int sh = LN / 2; sh >= 1; sh /= 2) total += shfl_xor<LN>(total, sh);
+    for (int sh = LN / 2; sh >= 1; sh /= 2) total = op(total, shfl_xor<LN>(total, sh));
     return total;
   }
 };
+
+// Write a per-token scale into a scale cache C (one fp32 per slot and head) where the slot
+// is in it.
+template <class C>
+KVF_DEVICE void put_scale(const kvf_cache_t& c, int64_t slot, uint32_t h, float scale) {
+  if (slot < 0 || slot >= c.capacity) return;
+  const int64_t page = slot / C::kPageSize;
+  const uint32_t off = static_cast<uint32_t>(slot % C::kPageSize);
+  static_cast<float*>(c.data)[C::offset(c, page, off, h, 0)] = scale;
+}
 
 template <class VT>
 struct Fused {
@@ -206,6 +223,7 @@ struct Fused {
   using Rope = typename VT::Rope;
   using KvQuant = typename VT::KvQuant;        // K and V
   using IndexQuant = typename VT::IndexQuant;  // index_q_out and the index cache
+  using QQuant = typename VT::QQuant;          // q_fp8_out (AsModel: the variant has none)
   using Lanes = typename VT::Lanes;            // codegen/lanes.py
   static constexpr int D = VT::kHeadDim;
   static constexpr int LPH = D / kVec;             // 8-dim chunks per head (V loop lanes)
@@ -213,6 +231,7 @@ struct Fused {
   static constexpr int NKV = VT::kNumKvHeads;
   static constexpr bool kIndex = VT::kIndexMode == IndexMode::Full;
   static constexpr bool kKvFp8 = KvQuant::kBytes == 1;
+  static constexpr bool kQFp8 = QQuant::kBytes == 1;
   static constexpr bool kVTransposed = VT::V::kTransposed;
   static_assert(LPH >= 2 && LPH <= 32 && (LPH & (LPH - 1)) == 0, "head_dim");
   static_assert(R % 2 == 0 && R <= D, "rotary_dim");
@@ -308,6 +327,28 @@ struct Fused {
   struct Role {
     int kind, head;
   };
+
+  // A thread's row of an output (its head's first byte in token 0's row, and the row
+  // stride in bytes), fixed for the thread like its role; p is null where there is none.
+  struct Out {
+    char* p;
+    int64_t stride;
+    KVF_DEVICE char* at(int64_t t, uint32_t d0, int eb) const { return p + t * stride + int64_t(d0) * eb; }
+  };
+  static KVF_DEVICE Out out_row(void* base, int64_t row_stride, int head, int eb) {
+    return Out{base ? static_cast<char*>(base) + int64_t(head) * D * eb : nullptr, row_stride * eb};
+  }
+  // The thread's output in the model dtype (index_q_out's dtype for index_q): q_out, k_out,
+  // index_q_out or index_k_out; none for V.
+  static KVF_DEVICE Out out_of(const kvf_args_t& a, const Role& r) {
+    switch (r.kind) {
+      case kQ: return out_row(a.q_out, a.q_out_row_stride, r.head, 2);
+      case kK: return out_row(a.k_out, a.k_out_row_stride, r.head, 2);
+      case kIQ: return out_row(a.index_q_out, a.index_q_out_row_stride, r.head, IndexQuant::kBytes);
+      case kIK: return out_row(a.index_k_out, a.index_k_out_row_stride, 0, 2);
+      default: return Out{nullptr, 0};
+    }
+  }
 
   static KVF_DEVICE Role role_of(int hm, int nq, int niq, int main_kv) {
     if (hm < nq) return Role{kQ, hm};
@@ -535,12 +576,17 @@ struct Fused {
     Meta<kSub> q[kMeta + 1];  // q[k]: the token k steps ahead of the one being computed
 #pragma unroll
     for (int k = 0; k < kMeta; ++k) fetch(q[k], first + k * tpp);
-    // The thread's cache scale (its head is fixed), in flight beside the rows.
-    const float kv_scale = idle          ? 1.0f
-                         : r.kind == kK ? KvQuant::scale(a.k_scale, r.head)
-                         : r.kind == kV ? KvQuant::scale(a.v_scale, r.head)
-                                        : 1.0f;
+    // The scale the thread's stores divide by (its head is fixed: K's, V's or, with an FP8
+    // query output, q's), in flight beside the rows.
+    const float kv_scale = idle                  ? 1.0f
+                         : r.kind == kK         ? KvQuant::scale(a.k_scale, r.head)
+                         : r.kind == kV         ? KvQuant::scale(a.v_scale, r.head)
+                         : kQFp8 && r.kind == kQ ? QQuant::scale(a.q_fp8_scale, 0)
+                                                : 1.0f;
     const int wk = r.kind - (r.kind > kV);  // the thread's norm (V lanes have none: unused)
+    // The thread's output rows: one per role in the model dtype, and q's FP8 row.
+    const Out out = out_of(a, r);
+    const Out out8 = kQFp8 && r.kind == kQ ? out_row(a.q_fp8_out, a.q_fp8_out_row_stride, r.head, 1) : Out{nullptr, 0};
     auto step = [&](int64_t t, const auto& factors, bool meet_barrier = false) {
       // Register rows go out after the loads this token waits for: AMD retires loads in
       // order, so waiting for the cos/sin would otherwise wait for the next rows too.
@@ -558,7 +604,7 @@ struct Fused {
       const float kv_inv = 1.0f / kv_scale;
       uint4 x[kChunks];
       pipe.front(x);
-      process<kSub>(a, lane, r, d0, factors, kv_inv, t, x, q[0]);
+      process<kSub>(a, lane, r, out, out8, d0, factors, kv_inv, t, x, q[0]);
 #pragma unroll
       for (int k = 0; k < kMeta; ++k) q[k] = q[k + 1];
       pipe.pop();
@@ -620,9 +666,11 @@ struct Fused {
   }
 
   // One token of a thread: its chunks x (chunk 2s + i: chunk i of sub-lane s, dims d0).
+  // kv_inv: 1 / the thread's store scale (K, V or q's FP8 output); with per-token scales
+  // (KvQuant::kDynamic) K's and V's come from the head's amax instead.
   template <int kSub, class Factors>
-  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const uint32_t (&d0)[2 * kSub],
-                                 const Factors& factors, float kv_inv, int64_t t,
+  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const Out& out, const Out& out8,
+                                 const uint32_t (&d0)[2 * kSub], const Factors& factors, float kv_inv, int64_t t,
                                  const uint4 (&x)[2 * kSub], const Meta<kSub>& m) {
     const int kind = role.kind, head = role.head;
     float f[kSub][2][kVec];
@@ -630,6 +678,7 @@ struct Fused {
     for (int c = 0; c < 2 * kSub; ++c) unpack8<M>(x[c], f[c / 2][c % 2]);
     if (kind == kV) {
       if (m.pos < 0 || !slot_ok<typename VT::V>(a.v_cache, m.slot)) return;
+      if constexpr (KvQuant::kDynamic) kv_inv = token_scale<typename VT::VScale, kSub>(a.v_scale_cache, m.slot, head, lane, f);
       if constexpr (kStageV) {
         put_v_by_dim<kSub>(a.v_cache, kv_inv, m.slot, head, lane, d0, x, f);
       } else {
@@ -643,17 +692,54 @@ struct Fused {
     }
     const float inv = Norm::template inv_rms<D, kSub>(f, HeadGroup<kSub, LN<kSub>>{}, a.eps);
     const char* cs_row = cos_sin_row(a.cos_sin, m.pos >= 0 ? m.pos : 0);
+    // A per-token scale needs the whole head rotated before its first store; otherwise
+    // each lane is normalized, rotated and stored in turn (fewer values live).
+    constexpr bool kWholeHead = KvQuant::kDynamic;
+    auto rotate = [&](int s) {
+      Norm::apply(f[s], inv, factors, s);
+      Rope::apply(m.cs[s], cs_row, lane, chunks_of<kSub>(d0, s, lane), f[s]);
+    };
+    auto store = [&](int s) {  // false: the token writes nothing more
+      if (m.pos < 0) {  // no cos/sin row (SPEC §1): zeros to the outputs, no cache write
+        store_zero_rows<kSub>(out, out8, kind, t, d0);
+        return false;
+      }
+      store_normed(a, kind, head, out, out8, m.slot, kv_inv, t, chunks_of<kSub>(d0, s, lane).d0, f[s]);
+      return true;
+    };
 #pragma unroll
     for (int s = 0; s < kSub; ++s) {
-      Norm::apply(f[s], inv, factors, s);
-      const Chunks ch = chunks_of<kSub>(d0, s, lane);
-      Rope::apply(m.cs[s], cs_row, lane, ch, f[s]);
-      if (m.pos < 0) {  // no cos/sin row (SPEC §1): zeros to q_out and index_q_out, no cache write
-        if (kind == kQ || kind == kIQ) store_zero_rows<kSub>(a, kind, head, t, d0);
-        return;
-      }
-      store_normed(a, kind, head, m.slot, kv_inv, t, ch.d0, f[s]);
+      rotate(s);
+      if (!kWholeHead && !store(s)) return;
     }
+    if constexpr (kWholeHead) {
+      if (kind == kK && m.pos >= 0 && slot_ok<typename VT::K>(a.k_cache, m.slot))
+        kv_inv = token_scale<typename VT::KScale, kSub>(a.k_scale_cache, m.slot, head, lane, f);
+#pragma unroll
+      for (int s = 0; s < kSub; ++s)
+        if (!store(s)) return;
+    }
+  }
+
+  // A per-token scale (KvQuant::kDynamic) of the head whose fp32 values y a group holds:
+  // their amax reduced over the group, its scale written once (thread lane 0) into the
+  // scale cache C at the slot. Returns it (what KvQuant::pack divides by).
+  template <class C, int kSub>
+  static KVF_DEVICE float token_scale(const kvf_cache_t& c, int64_t slot, uint32_t h, int lane,
+                                      const float (&y)[kSub][2][kVec]) {
+    float amax[kSub];
+#pragma unroll
+    for (int s = 0; s < kSub; ++s) {
+      amax[s] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) amax[s] = fmaxf(amax[s], fabsf(y[s][i][j]));
+      }
+    }
+    const float scale = KvQuant::dynamic(HeadGroup<kSub, LN<kSub>>{}.max(amax));
+    if (lane == 0) put_scale<C>(c, slot, h, scale);
+    return scale;
   }
 
   // Chunk values y (fp32; `bits`: their model-dtype rounding) of one (slot, head) into a
@@ -666,30 +752,33 @@ struct Fused {
     store_dims<C>(c, slot, h, d0, w);
   }
 
-  // Zeros in every chunk of the thread's q_out or index_q_out row: a token without a cos/sin
-  // row. Stored as zero words, not as zeroed values through store_normed: those stayed live
+  // Zeros in every chunk of the thread's output rows (q_out, q_fp8_out, index_q_out, and
+  // k_out or index_k_out where given): a token without a cos/sin row. Stored as zero words, not as zeroed values through store_normed: those stayed live
   // beside the rotated ones and made FP8 variants spill.
   template <int kSub>
-  static KVF_DEVICE void store_zero_rows(const kvf_args_t& a, int kind, int head, int64_t t,
+  static KVF_DEVICE void store_zero_rows(const Out& out, const Out& out8, int kind, int64_t t,
                                          const uint32_t (&d0)[2 * kSub]) {
     const uint32_t zero[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int c = 0; c < 2 * kSub; ++c) {
-      if (kind == kQ) {
-        store_bytes<16>(static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + d0[c]) * 2, zero, 0);
-      } else {
+      if (kind == kIQ) {
         constexpr int EB = IndexQuant::kBytes;
-        const int64_t e = (t * a.num_index_heads + head) * D + d0[c];
-        store_bytes<8 * EB>(static_cast<char*>(a.index_q_out) + e * EB, zero, 0);
+        store_bytes<8 * EB>(out.at(t, d0[c], EB), zero, 0);
+      } else if (out.p) {
+        store_bytes<16>(out.at(t, d0[c], 2), zero, 0);
+      }
+      if constexpr (kQFp8) {
+        if (kind == kQ) store_bytes<8>(out8.at(t, d0[c], 1), zero, 0);
       }
     }
   }
 
-  // One lane's rotated values y (dims d0[i] ..) to q_out or a cache: q_out and index_q_out
-  // rows are [T, heads, D] contiguous; K and index_k go to their caches as the variant
-  // quantizes them.
-  static KVF_DEVICE void store_normed(const kvf_args_t& a, int kind, int head, int64_t slot, float kv_inv, int64_t t,
-                                      const uint32_t (&d0)[2], const float (&y)[2][kVec]) {
+  // One lane's rotated values y (dims d0[i] ..) to its outputs and caches: q to q_out and
+  // q_fp8_out, K and index_k to their caches as the variant quantizes them (and, where
+  // asked, to k_out and index_k_out in the model dtype), index_q to index_q_out.
+  static KVF_DEVICE void store_normed(const kvf_args_t& a, int kind, int head, const Out& out, const Out& out8,
+                                      int64_t slot, float kv_inv, int64_t t, const uint32_t (&d0)[2],
+                                      const float (&y)[2][kVec]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       // The model-dtype rounding (q_out, and K and index_k where the contract quantizes
@@ -698,20 +787,27 @@ struct Fused {
       // PERF.md, v6.9).
       uint32_t bits[4];
       pack_model<M>(y[i], bits);
-      if (kind == kQ) {
-        store_bytes<16>(static_cast<char*>(a.q_out) + ((t * a.num_heads + head) * D + d0[i]) * 2, bits, 0);
-      } else if (kind == kK) {
-        if (slot_ok<typename VT::K>(a.k_cache, slot))
-          store_chunk<KvQuant, VT::kRoundBeforeQuant, typename VT::K>(a.k_cache, slot, head, d0[i], y[i], bits, kv_inv);
-      } else if (kind == kIQ) {
+      if (kind == kIQ) {
         constexpr int EB = IndexQuant::kBytes;
         uint32_t w[2 * EB];
         IndexQuant::template pack<false>(y[i], bits, 1.0f, w);  // SPEC §1: FP8 straight from fp32
-        store_bytes<8 * EB>(static_cast<char*>(a.index_q_out) + ((t * a.num_index_heads + head) * D + d0[i]) * EB,
-                            w, 0);
-      } else if (slot_ok<typename VT::Index>(a.index_cache, slot)) {
-        store_chunk<IndexQuant, VT::kRoundBeforeQuant, typename VT::Index>(a.index_cache, slot, 0, d0[i], y[i], bits,
-                                                                           1.0f);
+        store_bytes<8 * EB>(out.at(t, d0[i], EB), w, 0);
+        continue;
+      }
+      if (out.p) store_bytes<16>(out.at(t, d0[i], 2), bits, 0);  // q_out, k_out, index_k_out
+      if (kind == kQ) {
+        if constexpr (kQFp8) {  // SPEC §1: from the rounded q, saturating
+          uint32_t w[2];
+          QQuant::template pack<true>(y[i], bits, kv_inv, w);
+          store_bytes<8>(out8.at(t, d0[i], 1), w, 0);
+        }
+      } else if (kind == kK) {
+        if (slot_ok<typename VT::K>(a.k_cache, slot))
+          store_chunk<KvQuant, VT::kRoundBeforeQuant, typename VT::K>(a.k_cache, slot, head, d0[i], y[i], bits, kv_inv);
+      } else {
+        if (slot_ok<typename VT::Index>(a.index_cache, slot))
+          store_chunk<IndexQuant, VT::kRoundBeforeQuant, typename VT::Index>(a.index_cache, slot, 0, d0[i], y[i], bits,
+                                                                             1.0f);
       }
     }
   }
@@ -776,13 +872,27 @@ struct Fused {
         whole &= shfl_xor<2 * LPH>(whole, LPH);
       }
       const float inv = 1.0f / KvQuant::scale(a.v_scale, h);
+      float scale = 0.0f;  // per-token scales: that of the lane's token, written below
       uint32_t w[G][kWords];
 #pragma unroll
       for (int k2 = 0; k2 < G; ++k2) {
         const uint32_t bits[4] = {raw[k2].x, raw[k2].y, raw[k2].z, raw[k2].w};
         float f[kVec];
         if constexpr (kKvFp8) unpack8<M>(raw[k2], f);
-        KvQuant::template pack<false>(f, bits, inv, w[k2]);
+        float inv_k = inv;
+        if constexpr (KvQuant::kDynamic) {  // token k2's amax over the group's lanes (8 dims each)
+          float amax = 0.0f;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) amax = fmaxf(amax, fabsf(f[j]));
+#pragma unroll
+          for (int sh = LPH / 2; sh >= 1; sh /= 2) amax = fmaxf(amax, shfl_xor<LPH>(amax, sh));
+          inv_k = KvQuant::dynamic(amax);
+          if (lane == k2) scale = inv_k;
+        }
+        KvQuant::template pack<false>(f, bits, inv_k, w[k2]);
+      }
+      if constexpr (KvQuant::kDynamic) {
+        if (lane < n) put_scale<typename VT::VScale>(a.v_scale_cache, slot, h, scale);
       }
       if (run) {
         constexpr int kOut = (NB + 3) / 4;

@@ -14,7 +14,7 @@ namespace kvf {
 
 constexpr int kVec = 8;  // model-dtype elements per chunk (16 bytes); a lane holds two
 
-enum class Scale { None, Unit, PerTensor, PerHead };
+enum class Scale { Unit, PerTensor, PerHead, PerTokenHead };
 
 // ---- element packing -----------------------------------------------------------------
 template <class M>
@@ -33,14 +33,15 @@ KVF_DEVICE void pack_model(const float (&f)[kVec], uint32_t (&w)[4]) {
   for (int i = 0; i < 4; ++i) w[i] = M::from_float(f[2 * i]) | (M::from_float(f[2 * i + 1]) << 16);
 }
 
-// value * inv_scale to FP8, saturating to the format's max or (passthrough) with
-// out-of-range values as NaN.
-template <Fp8 F, bool Saturate>
-KVF_DEVICE void pack_fp8(const float (&f)[kVec], float inv_scale, uint32_t (&w)[2]) {
+// value * s (or, kDivide, value / s) to FP8, saturating to the format's max or
+// (passthrough) with out-of-range values as NaN.
+template <Fp8 F, bool Saturate, bool kDivide = false>
+KVF_DEVICE void pack_fp8(const float (&f)[kVec], float s, uint32_t (&w)[2]) {
+  const auto q = [s](float v) { return kDivide ? v / s : v * s; };
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    w[i] = fp8x2_from_float<F, Saturate>(f[4 * i] * inv_scale, f[4 * i + 1] * inv_scale) |
-           (fp8x2_from_float<F, Saturate>(f[4 * i + 2] * inv_scale, f[4 * i + 3] * inv_scale) << 16);
+    w[i] = fp8x2_from_float<F, Saturate>(q(f[4 * i]), q(f[4 * i + 1])) |
+           (fp8x2_from_float<F, Saturate>(q(f[4 * i + 2]), q(f[4 * i + 3])) << 16);
   }
 }
 
@@ -251,14 +252,16 @@ struct GptjRope {
 };
 
 // ---- Quant ----------------------------------------------------------------------------
-// How a chunk of values is stored: pack<kFromRounded>(y, bits, inv, w) gives the words of
+// How a chunk of values is stored: pack<kFromRounded>(y, bits, s, w) gives the words of
 // its 8 elements (kBytes each) from the fp32 values y or, kFromRounded, from their
-// model-dtype rounding `bits` (SPEC §1: round_before_quant); inv is 1 / scale(...).
+// model-dtype rounding `bits` (SPEC §1: round_before_quant); s is 1 / scale(...) or, for a
+// per-token scale (kDynamic), dynamic(amax) itself.
 
 // The model dtype: the rounding itself.
 template <class M>
 struct AsModel {
   static constexpr int kBytes = 2;
+  static constexpr bool kDynamic = false;
   static KVF_DEVICE float scale(const float*, uint32_t) { return 1.0f; }
   template <bool kFromRounded>
   static KVF_DEVICE void pack(const float (&)[kVec], const uint32_t (&bits)[4], float, uint32_t (&w)[4]) {
@@ -268,23 +271,30 @@ struct AsModel {
 };
 
 // FP8 at a scale of the call (per tensor: [1], per head: [nkv]) or 1 (Unit), saturating or
-// (passthrough) with out-of-range values as NaN.
+// (passthrough) with out-of-range values as NaN; or (kDynamic, PerTokenHead) at a scale per
+// token and head that the schedule computes from the head's amax (`dynamic`: it reduces the
+// amax over the head's lanes and writes the scale where the contract's scale cache says).
 template <class M, Fp8 F, Scale S, bool kSaturate>
 struct AsFp8 {
   static constexpr int kBytes = 1;
+  static constexpr bool kDynamic = S == Scale::PerTokenHead;
   static KVF_DEVICE float scale(const float* p, uint32_t h) {
     if constexpr (S == Scale::PerTensor) return p[0];
     else if constexpr (S == Scale::PerHead) return p[h];
     else return 1.0f;
   }
+  // The scale of a (token, head) whose largest magnitude (of the fp32 values) is amax,
+  // which its values are divided by: AITER's fused_qknorm_idxrqknorm, bit for bit (amax /
+  // the format's max, 1 for an all-zero head).
+  static KVF_DEVICE float dynamic(float amax) { return amax > 0.0f ? amax / Fp8Format<F>::kMax : 1.0f; }
   template <bool kFromRounded>
-  static KVF_DEVICE void pack(const float (&y)[kVec], const uint32_t (&bits)[4], float inv, uint32_t (&w)[2]) {
+  static KVF_DEVICE void pack(const float (&y)[kVec], const uint32_t (&bits)[4], float s, uint32_t (&w)[2]) {
     if constexpr (kFromRounded) {
       float r[kVec];
       unpack8<M>(make_uint4(bits[0], bits[1], bits[2], bits[3]), r);
-      pack_fp8<F, kSaturate>(r, inv, w);
+      pack_fp8<F, kSaturate, kDynamic>(r, s, w);
     } else {
-      pack_fp8<F, kSaturate>(y, inv, w);
+      pack_fp8<F, kSaturate, kDynamic>(y, s, w);
     }
   }
 };
