@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-_API = ("fused_qknorm_rope_cache", "minimax_m3_qknorm_rope_cache_shuffle_insert",
-        "UnlistedVariantWarning", "add_variants")
+_API = ("fused_qknorm_rope_cache", "minimax_m3_qknorm_rope_cache_shuffle_insert", "fused_qknorm_idxrqknorm",
+        "fused_minimax_m3_qknorm_rope_kv_insert", "UnlistedVariantWarning", "add_variants")
 __all__ = list(_API)
 
 

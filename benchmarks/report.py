@@ -61,14 +61,49 @@ TARGETS = (
 HOST_TARGET_US = 15.0
 
 
+def of_same_bytes(r: dict) -> float | None:
+    """The case's % of its same-bytes copy (that copy's µs / the op's)."""
+    s = r.get("copy_same_bytes_us")
+    return 100 * s / r["us"] if s else None
+
+
+# Issue 37's targets, each comparing a configuration's case with another's of the same TP
+# and tokens in the run: (target, configuration, the one it is held to, whether it meets it,
+# the figures shown for a miss).
+BF16, FP8, PER_TOKEN = "vllm_shuffle16 bf16", "vllm_shuffle16 fp8", "vllm_shuffle16 fp8 per-token"
+PAIR_TARGETS = (
+    ("per-token FP8 within 5% of per-tensor FP8 (µs)", PER_TOKEN, FP8,
+     lambda r, o: r["us"] <= 1.05 * o["us"], lambda r, o: f"{r['us']:.2f} vs {o['us']:.2f} µs"),
+    *((f"{name} within 5 points of bf16 SHUFFLE (% of the same-bytes copy)", name, BF16,
+       lambda r, o: of_same_bytes(r) is not None and of_same_bytes(o) is not None
+       and of_same_bytes(r) >= of_same_bytes(o) - 5,
+       lambda r, o: f"{_fmt(of_same_bytes(r))}% vs {_fmt(of_same_bytes(o))}%") for name in (FP8, PER_TOKEN)),
+)
+
+
+def _pair_targets(recs: list) -> list[tuple[str, int, int, list[str]]]:
+    """(target, cases met, cases, misses) of PAIR_TARGETS over the run's records."""
+    by = {(r["config"], r["tp"], r["tokens"]): r for r in recs}
+    out = []
+    for target, name, other, meets, figure in PAIR_TARGETS:
+        cases = [(r, by[(other, r["tp"], r["tokens"])]) for r in recs
+                 if r["config"] == name and (other, r["tp"], r["tokens"]) in by]
+        if cases:
+            missed = [f"TP{r['tp']} {r['tokens']}: {figure(r, o)}" for r, o in cases if not meets(r, o)]
+            out.append((target, len(cases) - len(missed), len(cases), missed))
+    return out
+
+
 def _targets(result: dict) -> list[str]:
-    lines = ["### Targets (issue 3) in this run", "", "| target | cases met | missed |", "|---|---:|---|"]
+    lines = ["### Targets (issues 3 and 37) in this run", "", "| target | cases met | missed |", "|---|---:|---|"]
     for target, covers, meets, figure in TARGETS:
         cases = [r for r in result["records"] if covers(r)]
         if not cases:
             continue
         missed = [f"{r['config']} TP{r['tp']} {r['tokens']}: {figure(r)}" for r in cases if not meets(r)]
         lines.append(f"| {target} | {len(cases) - len(missed)} of {len(cases)} | {'; '.join(missed) or '–'} |")
+    for target, met, n, missed in _pair_targets(result["records"]):
+        lines.append(f"| {target} | {met} of {n} | {'; '.join(missed) or '–'} |")
     host = result["host_overhead_us"]
     lines += [f"| host overhead per eager call: ≤ {HOST_TARGET_US:g} µs | {int(host <= HOST_TARGET_US)} of 1 | "
               f"{'–' if host <= HOST_TARGET_US else f'{host:.1f} µs'} |", "",
@@ -197,11 +232,13 @@ def perf_figures(name: str, result: dict) -> list[str]:
                                                                      if t >= LARGE and r.get(p)]) else "–"
                      for p in ("eager_us", "compile_us")]
             lines.append(f"| {config} | {tp} | {small} | " + " | ".join(cells) + " | " + " | ".join(peers) + " |")
-    lines += ["", "Issue 3's targets in this run (BENCHMARKS.md names the misses):", ""]
+    lines += ["", "Issues 3's and 37's targets in this run (BENCHMARKS.md names the misses):", ""]
     for target, covers, meets, _ in TARGETS:
         cases = [r for r in recs if covers(r)]
         if cases:
             lines.append(f"- {target}: {sum(map(meets, cases))} of {len(cases)}")
+    for target, met, n, _ in _pair_targets(recs):
+        lines.append(f"- {target}: {met} of {n}")
     host = result["host_overhead_us"]
     lines.append(f"- host overhead per eager call: ≤ {HOST_TARGET_US:g} µs: {int(host <= HOST_TARGET_US)} of 1")
     return lines

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.codegen.model import IndexMode, KvScale, Norm, Rope, Saturation, Variant
+from kvforge.codegen.model import IndexMode, KvScale, Norm, QFp8, Rope, Saturation, Variant
 from kvforge.codegen.layout import CacheAccess, access
 from kvforge.runtime.reference import to_fp8, write_slots
 
@@ -32,7 +32,7 @@ def _rope(n: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rotar
 
 def layouts(v: Variant) -> dict[str, CacheAccess]:
     """The contract's caches at this variant's sizes, looked up outside any trace."""
-    return {role: access(v, role) for role in ("k", "v", "index")}
+    return {c.role: access(v, c.role) for c in v.caches()}
 
 
 def unfused(v: Variant, lay: dict[str, CacheAccess], a: dict, q_out: torch.Tensor, index_q_out) -> None:
@@ -46,12 +46,26 @@ def unfused(v: Variant, lay: dict[str, CacheAccess], a: dict, q_out: torch.Tenso
     def normed(lo: int, hi: int, w: torch.Tensor) -> torch.Tensor:
         return _rope(_norm(x[:, lo:hi], w, eps, v.norm), a["cos_sin_cache"], pos, R, v.rope)
 
-    q_out.copy_(normed(0, nq, a["q_norm_weight"]).to(model).view_as(q_out))
-    k = normed(nq, nq + nkv, a["k_norm_weight"]).to(model)
+    q = normed(0, nq, a["q_norm_weight"]).to(model)
+    q_out.copy_(q.view_as(q_out))
+    if v.q_fp8 is not QFp8.NONE:  # vLLM's scaled_fp8_quant of q
+        q8 = a["q_fp8_out"]
+        q8.copy_(to_fp8(q.float() * (1.0 / a["q_fp8_scale"]), v.fp8, True).view_as(q8))
+    k32 = normed(nq, nq + nkv, a["k_norm_weight"])
+    k = k32.to(model)
     vv = a["qkv"].view(T, -1, D)[:, nq + nkv:nq + 2 * nkv]
     k_cache = a.get("k_cache", a.get("kv_cache"))
     v_cache = a.get("v_cache", a.get("kv_cache"))
-    if v.kv_scale is not KvScale.NONE:
+    if v.kv_scale.dynamic:  # AITER's per-token scales: amax / fp8 max, values divided by them
+        sat = v.contract.saturation is Saturation.SATURATE
+        k_amax, v_amax = k32.abs().amax(-1, keepdim=True), vv.float().abs().amax(-1, keepdim=True)
+        ks = torch.where(k_amax > 0, k_amax / v.fp8.max, 1.0)
+        vsc = torch.where(v_amax > 0, v_amax / v.fp8.max, 1.0)
+        write_slots(lay["k_scale"], a["k_scale_cache"], a["slot_mapping"], ks)
+        write_slots(lay["v_scale"], a["v_scale_cache"], a["slot_mapping"], vsc)
+        k = to_fp8(k.float() / ks, v.fp8, sat)
+        vv = to_fp8(vv.float() / vsc, v.fp8, sat)
+    elif v.kv_scale is not KvScale.NONE:
         sat = v.contract.saturation is Saturation.SATURATE
         ks = (1.0 / a["k_scale"]).view(1, -1, 1) if "k_scale" in a else 1.0
         vs = (1.0 / a["v_scale"]).view(1, -1, 1) if "v_scale" in a else 1.0

@@ -48,6 +48,23 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
+def div(a, b) -> torch.Tensor:
+    """a / b of fp32 values (tensors or numbers), correctly rounded to fp32 as the kernel's
+    IEEE division is, on every device: computed in fp64, whose quotient rounds to the same
+    fp32, and never as a division by a scalar, which torch does as a product with the
+    reciprocal (a 0-D divisor on the GPU)."""
+    device = next(x.device for x in (a, b) if isinstance(x, torch.Tensor))
+    a, b = (torch.as_tensor(x, device=device).double() for x in (a, b))
+    a, b = torch.broadcast_tensors(a, b)
+    return (a / b.contiguous()).float()
+
+
+def sqrt(x: torch.Tensor) -> torch.Tensor:
+    """fp32 square root, correctly rounded (the kernel's sqrtf): torch's fp32 sqrt on an
+    AVX-512 CPU is not (1 ulp off at 4.4501243); fp64's, rounded to fp32, is."""
+    return torch.sqrt(x.double()).float()
+
+
 def sum_of_squares(v: Variant, x: torch.Tensor) -> torch.Tensor:
     """Σ x² over the last dim in the kernel's fp32 order: each lane's dims in sequence
     (codegen/lanes.py: LaneMap.dims, one fma each), then the lanes pairwise by halving
@@ -68,7 +85,7 @@ def rms_norm(v: Variant, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.
     """Per-head RMSNorm over the last dim in fp32; Gemma scales by (1 + w). The variant's
     lane map fixes the summation order (`sum_of_squares`)."""
     mean = sum_of_squares(v, x) / x.shape[-1]
-    inv = 1.0 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
+    inv = div(1.0, sqrt(mean + torch.tensor(eps, dtype=torch.float32)))
     wf = w.float()
     return (x * inv) * (1.0 + wf if v.norm is Norm.GEMMA else wf)
 
@@ -127,7 +144,7 @@ def token_scales(v: Variant, x: torch.Tensor) -> torch.Tensor:
     fused_qknorm_idxrqknorm definition, amax over the head / the FP8 max, 1 for an all-zero
     head (the values are then divided by it)."""
     amax = x.abs().amax(dim=-1, keepdim=True)
-    return torch.where(amax > 0, amax / torch.tensor(v.fp8.max, dtype=torch.float32),
+    return torch.where(amax > 0, div(amax, v.fp8.max),
                        torch.ones((), dtype=torch.float32))
 
 
@@ -138,10 +155,10 @@ def _quant_kv(v: Variant, x: torch.Tensor, scale: Optional[torch.Tensor], cache_
     if v.kv_scale is KvScale.NONE:
         return x.to(cache_dtype)
     if v.kv_scale.dynamic:
-        return to_fp8(x / scale, v.fp8, sat)
+        return to_fp8(div(x, scale), v.fp8, sat)
     inv = torch.ones((), device=x.device)
     if scale is not None:
-        inv = (1.0 / scale.float()).view(1, -1, 1)  # [1] or [nkv] broadcasts over heads
+        inv = div(1.0, scale).view(1, -1, 1)  # [1] or [nkv] broadcasts over heads
     return to_fp8(x * inv, v.fp8, sat)
 
 
@@ -169,7 +186,7 @@ def run(v: Variant, t: Tensors) -> None:
     if t.q_out is not None:
         t.q_out.view(T, nq, D).copy_(q)
     if v.q_fp8 is not QFp8.NONE:  # from the rounded q, saturating (SPEC §1)
-        t.q_fp8_out.view(T, nq, D).copy_(to_fp8(q.float() * (1.0 / t.q_fp8_scale.float()).view(()), v.fp8, True))
+        t.q_fp8_out.view(T, nq, D).copy_(to_fp8(q.float() * div(1.0, t.q_fp8_scale).view(()), v.fp8, True))
     k = normed(x[:, nq:nq + nkv], t.k_norm_weight)
     if t.k_out is not None:
         t.k_out.view(T, nkv, D).copy_(zero_invalid(k).to(model))

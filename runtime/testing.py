@@ -205,10 +205,14 @@ def _copy_args(args: dict, device, invert: bool) -> dict:
 
 
 def with_outputs(args: dict) -> dict:
-    """args plus allocated q_out (and index_q_out in full mode), as the API would."""
+    """args plus allocated q_out (and index_q_out in full mode), as the API would; an output
+    args name (None included: q_fp8_out then stands alone) is kept."""
     qkv, D = args["qkv"], args["q_norm_weight"].numel()
-    out = dict(args, q_out=qkv.new_empty((qkv.shape[0], args["num_heads"], D)))
-    if args.get("index_mode", "full") == "full" and args.get("index_cache") is not None:
+    out = dict(args)
+    if "q_out" not in args:
+        out["q_out"] = qkv.new_empty((qkv.shape[0], args["num_heads"], D))
+    if ("index_q_out" not in args and args.get("index_mode", "full") == "full"
+            and args.get("index_cache") is not None):
         out["index_q_out"] = torch.empty((qkv.shape[0], args["num_index_heads"], D),
                                          dtype=args["index_cache"].dtype, device=qkv.device)
     return out
@@ -251,8 +255,10 @@ class ReferenceCheck:
             reference_qknorm_rope_cache(**ref)
             self._refs.append({key: ref[key] for key in MUTABLE if ref.get(key) is not None})  # the inputs' copies freed
 
-    def __call__(self, run) -> dict:
-        """Run `run(**args)` on the poisoned outputs; per-tensor statistics (see `compare`)."""
+    def __call__(self, run, max_ulp: Optional[dict] = None) -> dict:
+        """Run `run(**args)` on the poisoned outputs; per-tensor statistics (see `compare`;
+        `max_ulp` widens the bar of the outputs it names, for an oracle that rounds otherwise:
+        within that many ulp, none need be bit-identical)."""
         for base, saved in self._poisoned:
             base.copy_(saved)
         run(**self.args)
@@ -260,15 +266,17 @@ class ReferenceCheck:
             if not torch.equal(base.view(torch.uint8), saved.view(torch.uint8)):
                 base.copy_(saved)
                 raise AssertionError(f"{key}: the kernel wrote into this input")
-        return {key: compare(key, _base(self.args[key]), _base(self._refs[0][key]), _base(self._refs[1][key]))
+        wide = max_ulp or {}
+        return {key: compare(key, _base(self.args[key]), _base(self._refs[0][key]), _base(self._refs[1][key]),
+                             min_identical=0.0 if key in wide else 0.99, max_ulp=wide.get(key, 1))
                 for key in MUTABLE if self.args.get(key) is not None}
 
 
-def check_against_reference(args: dict, run, seed: int = 1, ref_device="cpu") -> dict:
+def check_against_reference(args: dict, run, seed: int = 1, ref_device="cpu", max_ulp: Optional[dict] = None) -> dict:
     """Run `run(**args)` (the kernel) on poisoned outputs and compare every byte of every
     output and cache with the reference run on the same and on the complementary poison
     (see `compare`), on `ref_device`. Returns per-tensor statistics."""
-    return ReferenceCheck(args, seed, ref_device)(run)
+    return ReferenceCheck(args, seed, ref_device)(run, max_ulp)
 
 
 # ---- comparison at the bar of SPEC §6 ---------------------------------------------
@@ -284,14 +292,14 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def compare(name: str, got: torch.Tensor, ref: torch.Tensor, ref_other_poison: torch.Tensor,
-            min_identical: float = 0.99) -> dict:
+            min_identical: float = 0.99, max_ulp: int = 1) -> dict:
     """Check one output against the reference, element by element.
 
     `ref` and `ref_other_poison` are the reference run on two complementary poisons:
     elements equal in both were written (addressed); the others must keep their poison
-    byte for byte. Addressed elements must be within one unit in the last place, at
-    least `min_identical` of them bit-identical, and never NaN where the reference is
-    not. Raises AssertionError with a short description; returns statistics.
+    byte for byte. Addressed elements must be within `max_ulp` units in the last place
+    (SPEC §6: one), at least `min_identical` of them bit-identical, and never NaN where the
+    reference is not. Raises AssertionError with a short description; returns statistics.
     """
     n = got.element_size()
     iv = _INT_VIEW[n]
@@ -315,9 +323,9 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, ref_other_poison: t
             raise AssertionError(f"{name}: {int(nan.sum())} NaN where the reference has none")
     worst = int(diff.max())
     identical = float((diff == 0).float().mean())
-    if worst > 1:
+    if worst > max_ulp:
         i = int(diff.argmax())
-        raise AssertionError(f"{name}: {int((diff > 1).sum())} elements differ by more than 1 ulp "
+        raise AssertionError(f"{name}: {int((diff > max_ulp).sum())} elements differ by more than {max_ulp} ulp "
                              f"(worst {worst} ulp at addressed element {i})")
     if identical < min_identical:
         raise AssertionError(f"{name}: only {identical:.2%} of elements bit-identical")

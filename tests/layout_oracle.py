@@ -3,6 +3,7 @@ spell them, evaluated by Python's own expression parser (`ast`): independent of 
 generator's grammar, folding and emitter, so a new contract in YAML is checked by the same
 tests as the shipped ones without a hand-written formula."""
 import ast
+import functools
 import operator
 
 import torch
@@ -26,6 +27,7 @@ def _eval(node, env):
     raise ValueError(f"not an index expression: {ast.dump(node)}")
 
 
+@functools.lru_cache(maxsize=None)
 def contract_yaml(name):
     """The contract's mapping as written in the last variants file that defines it."""
     found = None

@@ -101,7 +101,7 @@ def test_variant_matches_reference(variant, tokens, nq, niq, slots, pad, opts):
     if slots == "decode" and opts.get("extra_pages") == 0:
         # Every page holds one token; move the last page's token to the cache's last slot.
         cache = args.get("k_cache", args.get("kv_cache"))
-        ps = variant.contract.k.page_size
+        ps = variant.page_size("k")
         sm = args["slot_mapping"]
         last = (sm // ps == cache.shape[0] - 1).nonzero()
         if last.numel():
@@ -398,7 +398,7 @@ def test_shuffle_v_groups_that_are_almost_runs(kv_scale, v_loop):
     sm[1], sm[2] = sm[2].clone(), sm[1].clone()            # group 0: middle swapped
     sm[tg + 3] = -1                                         # group 1: a padded token inside
     sm[2 * tg:3 * tg] = sm[2 * tg:3 * tg].flip(0)           # group 2: reversed (not taken)
-    ps, pages = v.contract.v.page_size, args["v_cache"].shape[access(v, "v").runtime_dim]
+    ps, pages = v.page_size("v"), args["v_cache"].shape[access(v, "v").runtime_dim]
     free = sorted(set(range(pages)) - set((sm[sm >= 0] // ps).tolist()))
     sm[3 * tg:4 * tg] = free[0] * ps + 1 + torch.arange(tg, device=sm.device)  # group 3: a run from an odd slot
     check_against_reference(args, lambda **a: launch_with(Launch(0, 0, v_loop), **a)())

@@ -67,9 +67,9 @@ def test_drawn_calls_match_the_reference(call):
                        seed=zlib.crc32(repr(call).encode()), extra_pages=1)
     if call.last_slot:
         kv = args.get("k_cache", args.get("kv_cache"))
-        _move_to_last_slot(args, "slot_mapping", kv, v.contract.k.page_size, access(v, "k").runtime_dim)
+        _move_to_last_slot(args, "slot_mapping", kv, v.page_size("k"), access(v, "k").runtime_dim)
         if "index_slot_mapping" in args:
-            _move_to_last_slot(args, "index_slot_mapping", args["index_cache"], v.contract.index.page_size,
+            _move_to_last_slot(args, "index_slot_mapping", args["index_cache"], v.page_size("index"),
                                access(v, "index").runtime_dim)
     max_pos = args["cos_sin_cache"].shape[0]
     if call.edge_positions:

@@ -21,7 +21,10 @@ def test_the_peer_writes_what_the_reference_writes(name, tp):
     nq, nkv, niq = TP[tp]
     v = find_variant(CONFIGS[name], nkv)
     args = make_inputs(v, 37, nq, niq, slots="prefill", seed=3)
-    stats = check_against_reference(args, _peer(v))
+    # The peer multiplies then adds (the engines' RoPE), so its fp32 K differs from the
+    # reference's in the last bits, and a per-token K scale (amax / max) with them: SPEC
+    # §6's bar for such an oracle, 2^-20 of the value (8 ulp).
+    stats = check_against_reference(args, _peer(v), max_ulp={"k_scale_cache": 8})
     assert {"q_out", "k_cache" if "k_cache" in args else "kv_cache"} <= set(stats)
 
 
