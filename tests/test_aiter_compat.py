@@ -104,9 +104,6 @@ def fp8_codes(t: torch.Tensor) -> torch.Tensor:
     return torch.where(b >= 0x80, -(b & 0x7F), b)
 
 
-_contract_yaml = functools.lru_cache(maxsize=None)(layout_oracle.contract_yaml)
-
-
 class _Addresses:
     """Stands for a cache in layout_oracle.read (which takes x from its element size): indexes
     the storage positions of the cache's elements instead of their values."""
@@ -123,14 +120,9 @@ class _Addresses:
 
 @functools.lru_cache(maxsize=None)
 def _positions(contract, role, shape, stride, offset, size, slot, nkv, page_size) -> torch.Tensor:
-    parse = layout_oracle.contract_yaml  # (read parses the variants files on every call)
-    layout_oracle.contract_yaml = _contract_yaml
-    try:
-        span = offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1
-        index = torch.arange(span).as_strided(shape, stride, offset)
-        return layout_oracle.read(contract, role, _Addresses(index, size), slot, nkv, D, page_size)
-    finally:
-        layout_oracle.contract_yaml = parse
+    span = offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1
+    index = torch.arange(span).as_strided(shape, stride, offset)
+    return layout_oracle.read(contract, role, _Addresses(index, size), slot, nkv, D, page_size)
 
 
 def at(contract, role, cache, slot, nkv, page_size=None) -> torch.Tensor:

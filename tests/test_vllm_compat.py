@@ -22,7 +22,6 @@ tolerances. Two tiers:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import math
 import zlib
@@ -37,7 +36,6 @@ from kvforge.runtime.registry import source_of
 from kvforge.runtime.testing import compare
 from kvforge.runtime.validate import check
 from kvforge.runtime.vllm_compat import fused_minimax_m3_qknorm_rope_kv_insert
-import layout_oracle
 from layout_oracle import read
 
 pytestmark = pytest.mark.filterwarnings("ignore::kvforge.runtime.registry.UnlistedVariantWarning")
@@ -110,14 +108,11 @@ def _close(got, want, rtol: float, what: str, atol: float = 0.0) -> None:
 @pytest.fixture(autouse=True, scope="module")
 def _quick_cpu():
     """This module's tensors are small: one torch thread (on a busy machine, a second one's
-    waits cost seconds a test), and the contracts parsed once (layout_oracle.read parses the
-    variants files on every call, ~0.1 s)."""
+    waits cost seconds a test)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(layout_oracle, "contract_yaml", functools.lru_cache(maxsize=None)(layout_oracle.contract_yaml))
-            yield
+        yield
     finally:
         torch.set_num_threads(threads)
 

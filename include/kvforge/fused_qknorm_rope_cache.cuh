@@ -753,8 +753,9 @@ struct Fused {
   }
 
   // Zeros in every chunk of the thread's output rows (q_out, q_fp8_out, index_q_out, and
-  // k_out or index_k_out where given): a token without a cos/sin row. Stored as zero words, not as zeroed values through store_normed: those stayed live
-  // beside the rotated ones and made FP8 variants spill.
+  // k_out or index_k_out where given): a token without a cos/sin row. Stored as zero words,
+  // not as zeroed values through store_normed: those stayed live beside the rotated ones
+  // and made FP8 variants spill.
   template <int kSub>
   static KVF_DEVICE void store_zero_rows(const Out& out, const Out& out8, int kind, int64_t t,
                                          const uint32_t (&d0)[2 * kSub]) {
