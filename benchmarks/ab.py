@@ -5,10 +5,12 @@
 
 For trying a change to the kernel header behind a macro before it is made for good: each
 set names a build (`name=` and its definitions, comma-separated; the first set is the
-baseline), each case a configuration of bench.py (m3, sglang, shuffle, fp8; m3j .. fp8j
-with GPT-J rotary), a TP and a token count, and optionally a launch (depth:tile:v_loop:lanes; default: the tuned one).
-Every build's launch of a case is checked against the reference, then timed as bench.py
-times the op (CUDA-graph replay, inputs rotated past L2), the sets in turn and in reverse
+baseline), each case a configuration of bench.py (m3, sglang, shuffle, fp8, fp8t: per-token
+FP8, shuffleq: bf16 with the FP8 query output; m3j .. fp8j with GPT-J rotary), a TP and a
+token count, and optionally a launch (depth:tile:v_loop:lanes; default: the tuned one).
+Every build's launch of a case is checked against the reference (except a set named in
+--unchecked: an ablation, which drops work on purpose), then timed as bench.py times the
+op (CUDA-graph replay, inputs rotated past L2), the sets in turn and in reverse
 order on alternate rounds; a case's line gives each set's fastest time and its change from
 the baseline's. Nothing is written to the tuning table or the benchmark results.
 
@@ -51,7 +53,8 @@ from kvforge.runtime.testing import ReferenceCheck  # noqa: E402
 from kvforge.runtime.tuning import Launch, launch_used  # noqa: E402
 
 _NEOX_NAMES = {"m3": "vllm_m3 bf16", "sglang": "sglang_nhd bf16", "shuffle": "vllm_shuffle16 bf16",
-               "fp8": "vllm_shuffle16 fp8"}
+               "fp8": "vllm_shuffle16 fp8", "fp8t": "vllm_shuffle16 fp8 per-token",
+               "shuffleq": "vllm_shuffle16 bf16 + fp8 q"}
 # A trailing j: the configuration with GPT-J rotary (bench.GPTJ_CONFIGS), e.g. m3j.
 CONFIG_NAMES = {**_NEOX_NAMES, **{f"{short}j": f"{name} gptj" for short, name in _NEOX_NAMES.items()}}
 _CONFIG_AXES = {**CONFIGS, **GPTJ_CONFIGS}
@@ -136,7 +139,8 @@ def set_jobs(name: str, tc: toolchain.Toolchain, variants: dict[str, Variant]) -
     return list(jobs.values())
 
 
-def run_case(case: Case, toolchains: dict[str, toolchain.Toolchain], rounds: int) -> dict[str, list[float]]:
+def run_case(case: Case, toolchains: dict[str, toolchain.Toolchain], rounds: int,
+             unchecked: frozenset = frozenset()) -> dict[str, list[float]]:
     """µs per call of each set's build, one timing per round."""
     nq, nkv, niq = TP[case.tp]
     v = find_variant(_CONFIG_AXES[case.config], nkv)
@@ -145,7 +149,8 @@ def run_case(case: Case, toolchains: dict[str, toolchain.Toolchain], rounds: int
     check = ReferenceCheck(sets[0], ref_device="cuda")
     calls = {}
     for name, tc in toolchains.items():
-        check(lambda **a: launch_with(launch, tc, **a)())
+        if name not in unchecked:
+            check(lambda **a: launch_with(launch, tc, **a)())
         fns = [launch_with(launch, tc, **s) for s in sets]
         calls[name] = [fns[i % len(fns)] for i in range(n_calls)]
     times: dict[str, list[float]] = {name: [] for name in toolchains}
@@ -164,12 +169,17 @@ def main() -> int:
     ap.add_argument("--cases", required=True, help="config:tp:tokens[:depth:tile:v_loop:lanes],...")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="", help="where the times go as JSON (none: printed only)")
+    ap.add_argument("--unchecked", default="",
+                    help="sets timed without the reference check: ablations, which drop work on purpose")
     args = ap.parse_args()
     try:
         sets = parse_sets(args.sets)
         cases = {text: parse_case(text) for text in args.cases.split(",")}
     except ValueError as e:
         ap.error(str(e))
+    unchecked = frozenset(x for x in args.unchecked.split(",") if x)
+    if unchecked - set(sets):
+        ap.error(f"--unchecked: {', '.join(sorted(unchecked - set(sets)))}: not a set of --sets")
     if args.rounds < 1:
         ap.error(f"--rounds: expected at least 1, got {args.rounds}")
     base = toolchain.default()
@@ -192,7 +202,7 @@ def main() -> int:
     results = {}
     for text, case in cases.items():
         with hang_watchdog():
-            times = results[text] = run_case(case, toolchains, args.rounds)
+            times = results[text] = run_case(case, toolchains, args.rounds, unchecked)
         best = {name: min(t) for name, t in times.items()}
         print(f"{text:22s} " + "  ".join(f"{name} {us:8.2f} us ({us / best[first] - 1:+.1%})"
                                          for name, us in best.items()), flush=True)

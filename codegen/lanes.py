@@ -10,10 +10,14 @@ style's to say:
   halves so that each load instruction of a head reads whole sectors.
 - NeoX otherwise (e.g. rotary dim 36): adjacent chunks, partners exchanged between
   lanes by shuffles (`exchange`), one lane per thread.
-- GPT-J: pairs are adjacent dims, inside every chunk; lane l holds chunks l and
-  l + lanes (each load instruction of a head reads whole sectors; each chunk's 4 cos and
-  4 sin values are loaded on their own). Adjacent chunks in a rotary lane (its cos/sin
-  one run of 8, as NeoX's) read half sectors per instruction: 20% slower (PERF.md).
+- GPT-J: pairs are adjacent dims, inside every chunk, so no lane needs another's. As
+  NeoX's: the k = ceil(rotary chunks / 2) first lanes hold chunks i and i + k (each
+  chunk's 4 cos and 4 sin values loaded on their own), the pass-through chunks split in
+  two halves, so only those lanes rotate and wait for cos/sin. Where k is odd its runs
+  of k chunks would split sectors between load instructions, so lane l holds chunks l
+  and l + lanes instead (every lane rotates: FP8 variants spilled 264 bytes at one lane,
+  PERF.md s32). Adjacent chunks in a rotary lane (its cos/sin one run of 8, as NeoX's)
+  read half sectors per instruction: 20% slower (PERF.md s30).
 
 This module is the only statement of the map: the reference sums squares in `dims`'
 order, and render.py emits `chunk` and `rotary_lanes` into each variant's traits
@@ -113,13 +117,20 @@ def _at(s: Segment, lane: int) -> tuple[int, int]:
 def lane_map(head_dim: int, rotary_dim: int, rope: Rope) -> LaneMap:
     chunks, half, lanes = head_dim // VEC, rotary_dim // 2, head_dim // (2 * VEC)
     if rope is Rope.GPTJ:
-        return LaneMap(head_dim, rotary_dim, rope, tuple((l, l + lanes) for l in range(lanes)), False)
+        k = -(-rotary_dim // (2 * VEC))  # ceil(rotary chunks / 2)
+        if k % 2:
+            return LaneMap(head_dim, rotary_dim, rope, tuple((l, l + lanes) for l in range(lanes)), False)
+        return LaneMap(head_dim, rotary_dim, rope, _split(chunks, k), False)
     if half % VEC:
         return LaneMap(head_dim, rotary_dim, rope, tuple((2 * l, 2 * l + 1) for l in range(lanes)), True)
-    rot = half // VEC
-    rest = (chunks - 2 * rot) // 2
-    pairs = [(i, i + rot) for i in range(rot)] + [(2 * rot + k, 2 * rot + k + rest) for k in range(rest)]
-    return LaneMap(head_dim, rotary_dim, rope, tuple(pairs), False)
+    return LaneMap(head_dim, rotary_dim, rope, _split(chunks, half // VEC), False)
+
+
+def _split(chunks: int, k: int) -> tuple[tuple[int, int], ...]:
+    """Lanes i < k hold chunks i and i + k; the rest, the pass-through chunks from 2k on in
+    two halves, so each chunk slot of a head is two contiguous runs."""
+    rest = (chunks - 2 * k) // 2
+    return tuple([(i, i + k) for i in range(k)] + [(2 * k + j, 2 * k + j + rest) for j in range(rest)])
 
 
 def lane_map_of(v: Variant) -> LaneMap:

@@ -643,3 +643,13 @@ def test_the_aiter_drop_in_reads_a_missing_or_empty_fp8_scale_as_the_identity():
         minimax_m3_qknorm_rope_cache_shuffle_insert(**mine)
         for key in ("q_out", "index_q_out", "k_cache", "v_cache", "index_cache"):
             assert torch.equal(ref[key].view(torch.uint8).flatten(), mine[key].view(torch.uint8).flatten()), key
+
+
+def test_an_output_row_stride_past_the_kernels_32_bit_row_offsets_is_refused():
+    """The kernel's output row offsets are 32-bit products in chunks of 8 elements, so a
+    row stride of 2^34 elements or more is refused (a meta tensor has one without memory)."""
+    from kvforge.runtime.validate import _rows
+    _rows("q_out", torch.empty_strided((2, 128), ((8 << 31) - 8, 1), device="meta"), 128)
+    with pytest.raises(ValueError, match=X(f"q_out: expected a row stride under {8 << 31} elements, "
+                                           f"got {8 << 31}")):
+        _rows("q_out", torch.empty_strided((2, 128), (8 << 31, 1), device="meta"), 128)

@@ -14,7 +14,7 @@ import torch
 from kvforge.codegen.model import Fp8
 from kvforge.codegen.paths import INCLUDE
 from kvforge.runtime import toolchain
-from kvforge.runtime.reference import to_fp8
+from kvforge.runtime.reference import div, to_fp8
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 NATIVE = Path(__file__).parent / "native" / "fp8_codes.cu"
@@ -73,3 +73,59 @@ def test_the_kernels_fp8_path_on_the_gpu_matches_the_reference(tmp_path):
     values = _inputs()
     cmd = [c for c in tc.command(str(NATIVE), str(tmp_path / "fp8_codes")) if c != "-shared"]
     _compare(_codes(cmd, "device", values, tmp_path), values)
+
+
+DIVIDE = Path(__file__).parent / "native" / "divide.cu"
+
+
+def _division_records() -> torch.Tensor:
+    """(amax, x) pairs: heads of every magnitude (scales down to subnormal, where the
+    kernel scales by 2^64 first, and up to FLT_MAX / 448), values anywhere up to the
+    amax, quotients next to fp32 rounding ties, and the specials (0, inf, NaN)."""
+    gen = torch.Generator().manual_seed(1)
+    n = 100_000
+    amax = torch.randn(n, generator=gen).abs() * torch.exp2(torch.randint(-150, 128, (n,), generator=gen).float())
+    amax = amax[amax.isfinite() & (amax > 0)]
+    u = torch.rand(amax.numel(), generator=gen) * 2 - 1
+    u[::7] = 1.0
+    x = amax * u
+    # quotients at a tie of two fp32 values, scaled back by the scale the kernel makes
+    s = div(amax, 448.0)
+    q = torch.rand(amax.numel(), generator=gen) * 448 * torch.exp2(-torch.randint(0, 24, (amax.numel(),),
+                                                                                generator=gen).float())
+    tie = (q.double() + (q.nextafter(torch.tensor(float("inf"))).double() - q.double()) / 2) * s.double()
+    ties = [tie.float(), tie.float().nextafter(torch.tensor(0.0)), tie.float().nextafter(torch.tensor(1e38))]
+    edge = torch.tensor([2.0 ** -100, 448 * 2.0 ** -90, 240 * 2.0 ** -90, 1e-45, 3.4028234663852886e38])
+    edge = torch.cat([edge, edge.nextafter(torch.tensor(0.0)), edge.nextafter(torch.tensor(float("inf")))])
+    special_a = torch.tensor([0.0, float("inf"), float("inf"), float("nan"), 1.0, 1.0])
+    special_x = torch.tensor([0.0, 1.0, float("inf"), 1.0, float("nan"), -0.0])
+    a = torch.cat([amax, amax, amax, amax, edge, edge, special_a])
+    b = torch.cat([x, *ties, edge, -edge / 3, special_x])
+    return torch.stack([a, b], dim=1).contiguous()
+
+
+def test_the_per_token_division_is_the_ieee_division(tmp_path):
+    """AITER's per-token FP8 divides each value by RN(amax / max); the kernel's Divisor
+    does it as a product and one fma correction (Markstein), its scale likewise: the
+    scale equals the correctly rounded quotient always, a value's quotient wherever it is
+    2^-13 or more, and its FP8 code everywhere (smaller quotients are 0 in FP8 either way)."""
+    records = _division_records()
+    exe = tmp_path / "divide"
+    subprocess.run(["nvcc", "-x", "cu", "-std=c++17", "-O2", "-Xcompiler", "-ffp-contract=off", f"-I{INCLUDE}",
+                    "-o", str(exe), str(DIVIDE)], check=True, capture_output=True, text=True)
+    (tmp_path / "in.bin").write_bytes(ctypes.string_at(records.data_ptr(), records.numel() * 4))
+    subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float32).view(-1, 2, 2)
+    amax, x = records[:, 0], records[:, 1]
+    for i, (fmt, kmax) in enumerate([(Fp8.E4M3FN, 448.0), (Fp8.E4M3FNUZ, 240.0)]):
+        scale, q = out[:, i, 0], out[:, i, 1]
+        want_scale = torch.where(amax > 0, div(amax, kmax), torch.ones_like(amax))
+        assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32)), fmt
+        want = div(x, want_scale)
+        exact = ~(want.abs() < 2.0 ** -13)  # NaN included
+        same = (q.view(torch.int32) == want.view(torch.int32)) | (q.isnan() & want.isnan())
+        bad = (exact & ~same).nonzero().flatten()
+        assert bad.numel() == 0, (f"{fmt.value}: {bad.numel()} quotients differ, first x={x[bad[0]].item()!r} "
+                                  f"amax={amax[bad[0]].item()!r}: got {q[bad[0]].item()!r}, want {want[bad[0]].item()!r}")
+        for saturate in (True, False):
+            assert torch.equal(to_fp8(q, fmt, saturate).view(torch.uint8), to_fp8(want, fmt, saturate).view(torch.uint8))

@@ -41,14 +41,23 @@ def test_neox_with_aligned_halves_gives_a_rotary_lane_its_partner(d, r):
         assert c1 == c0 + r // 2 // VEC and c0 * VEC < r // 2
 
 
-def test_gptj_pairs_never_leave_a_chunk_and_every_lane_reads_whole_sectors():
+def test_gptj_pairs_never_leave_a_chunk_and_every_load_instruction_reads_whole_sectors():
     """GPT-J's pairs (2i, 2i + 1) sit in one chunk at every even rotary dim, so no map
-    needs an exchange; lane l holds chunks l and l + lanes (one load instruction of a head
-    reads its contiguous first half, the next its second)."""
+    needs an exchange; each chunk slot of a head covers whole 32-byte sectors of a bf16
+    row (chunks 2m and 2m + 1 in the same slot); and where that allows it, only the first
+    lanes rotate, as NeoX's (the others hold pass-through chunks in both slots)."""
     for d, r in SHAPES:
         m = lane_map(d, r, Rope.GPTJ)
         assert not m.exchange
-        assert m.chunks == tuple((l, l + m.lanes) for l in range(m.lanes))
+        if m.lanes == 1:
+            continue
+        slot = {c: i for pair in m.chunks for i, c in enumerate(pair)}
+        assert all(slot[2 * k] == slot[2 * k + 1] for k in range(d // VEC // 2)), (d, r, m.chunks)
+        k = -(-r // (2 * VEC))
+        if k % 2 == 0:
+            assert m.rotary_lanes[0] == k and m.chunks[:k] == tuple((i, i + k) for i in range(k)), (d, r)
+        else:
+            assert m.chunks == tuple((l, l + m.lanes) for l in range(m.lanes)), (d, r)
 
 
 @pytest.mark.parametrize("head_dim,rotary_dim,rope,most", [

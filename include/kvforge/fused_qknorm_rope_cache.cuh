@@ -224,6 +224,7 @@ struct Fused {
   using KvQuant = typename VT::KvQuant;        // K and V
   using IndexQuant = typename VT::IndexQuant;  // index_q_out and the index cache
   using QQuant = typename VT::QQuant;          // q_fp8_out (AsModel: the variant has none)
+  using KvFactor = typename KvQuant::Factor;   // what K's and V's stores scale by
   using Lanes = typename VT::Lanes;            // codegen/lanes.py
   static constexpr int D = VT::kHeadDim;
   static constexpr int LPH = D / kVec;             // 8-dim chunks per head (V loop lanes)
@@ -294,7 +295,7 @@ struct Fused {
   // dims, so each instruction fills whole lines (PERF.md, v6.4). All threads of the group
   // call this (one token, one slot).
   template <int kSub>
-  static KVF_DEVICE void put_v_by_dim(const kvf_cache_t& c, float inv, int64_t slot, uint32_t h, int lane,
+  static KVF_DEVICE void put_v_by_dim(const kvf_cache_t& c, const KvFactor& k, int64_t slot, uint32_t h, int lane,
                                       const uint32_t (&d0)[2 * kSub], const uint4 (&x)[2 * kSub],
                                       const float (&f)[kSub][2][kVec]) {
     using C = typename VT::V;
@@ -305,7 +306,7 @@ struct Fused {
     for (int c = 0; c < 2 * kSub; ++c) {
       const uint32_t bits[4] = {x[c].x, x[c].y, x[c].z, x[c].w};
       uint32_t w[2 * EB];
-      KvQuant::template pack<false>(f[c / 2][c % 2], bits, inv, w);
+      KvQuant::template pack<false>(f[c / 2][c % 2], bits, k, w);
       store_bytes<8 * EB>(row + d0[c] * EB, w, 0);
     }
     group_sync<LN>();
@@ -328,26 +329,25 @@ struct Fused {
     int kind, head;
   };
 
-  // A thread's row of an output (its head's first byte in token 0's row, and the row
-  // stride in bytes), fixed for the thread like its role; p is null where there is none.
-  struct Out {
-    char* p;
-    int64_t stride;
-    KVF_DEVICE char* at(int64_t t, uint32_t d0, int eb) const { return p + t * stride + int64_t(d0) * eb; }
-  };
-  static KVF_DEVICE Out out_row(void* base, int64_t row_stride, int head, int eb) {
-    return Out{base ? static_cast<char*>(base) + int64_t(head) * D * eb : nullptr, row_stride * eb};
-  }
-  // The thread's output in the model dtype (index_q_out's dtype for index_q): q_out, k_out,
-  // index_q_out or index_k_out; none for V.
-  static KVF_DEVICE Out out_of(const kvf_args_t& a, const Role& r) {
-    switch (r.kind) {
-      case kQ: return out_row(a.q_out, a.q_out_row_stride, r.head, 2);
-      case kK: return out_row(a.k_out, a.k_out_row_stride, r.head, 2);
-      case kIQ: return out_row(a.index_q_out, a.index_q_out_row_stride, r.head, IndexQuant::kBytes);
-      case kIK: return out_row(a.index_k_out, a.index_k_out_row_stride, 0, 2);
-      default: return Out{nullptr, 0};
-    }
+  // Output o's chunk at dims d0.. of the thread's head at token t, where the call gives
+  // that output: o is the role whose output it is in the model dtype (q_out, k_out,
+  // index_q_out in its own dtype, index_k_out) or kQ8 (q_fp8_out). Its row and stride come
+  // from the arguments (constant memory) at each store, and the row offset is a product of
+  // 32-bit factors in chunks of 8 elements (validate: a row stride is a whole number of 16
+  // bytes, under 2^31 chunks; t < num_tokens): a pointer and stride held across the loop,
+  // or 64-bit products, took registers the 80-register cap does not have (FP8 spilled in
+  // the main loop, PERF.md s32).
+  static constexpr int kQ8 = kIK + 1;
+  template <int o>
+  static KVF_DEVICE void put_row(const kvf_args_t& a, int head, int64_t t, uint32_t d0, const uint32_t* w) {
+    constexpr int eb = o == kIQ ? IndexQuant::kBytes : o == kQ8 ? 1 : 2;
+    void* const base = o == kQ ? a.q_out : o == kK ? a.k_out : o == kIQ ? a.index_q_out
+                     : o == kIK ? a.index_k_out : a.q_fp8_out;
+    const int64_t stride = o == kQ ? a.q_out_row_stride : o == kK ? a.k_out_row_stride
+                         : o == kIQ ? a.index_q_out_row_stride : o == kIK ? a.index_k_out_row_stride
+                                                                          : a.q_fp8_out_row_stride;
+    const int64_t chunk = int64_t(int32_t(t)) * int32_t(stride / kVec) + (o == kIK ? 0 : head) * (D / kVec);
+    if (base) store_bytes<kVec * eb>(static_cast<char*>(base) + (chunk * kVec + d0) * eb, w, 0);
   }
 
   static KVF_DEVICE Role role_of(int hm, int nq, int niq, int main_kv) {
@@ -584,9 +584,6 @@ struct Fused {
                          : kQFp8 && r.kind == kQ ? QQuant::scale(a.q_fp8_scale, 0)
                                                 : 1.0f;
     const int wk = r.kind - (r.kind > kV);  // the thread's norm (V lanes have none: unused)
-    // The thread's output rows: one per role in the model dtype, and q's FP8 row.
-    const Out out = out_of(a, r);
-    const Out out8 = kQFp8 && r.kind == kQ ? out_row(a.q_fp8_out, a.q_fp8_out_row_stride, r.head, 1) : Out{nullptr, 0};
     auto step = [&](int64_t t, const auto& factors, bool meet_barrier = false) {
       // Register rows go out after the loads this token waits for: AMD retires loads in
       // order, so waiting for the cos/sin would otherwise wait for the next rows too.
@@ -604,7 +601,7 @@ struct Fused {
       const float kv_inv = 1.0f / kv_scale;
       uint4 x[kChunks];
       pipe.front(x);
-      process<kSub>(a, lane, r, out, out8, d0, factors, kv_inv, t, x, q[0]);
+      process<kSub>(a, lane, r, d0, factors, kv_inv, t, x, q[0]);
 #pragma unroll
       for (int k = 0; k < kMeta; ++k) q[k] = q[k + 1];
       pipe.pop();
@@ -667,10 +664,10 @@ struct Fused {
 
   // One token of a thread: its chunks x (chunk 2s + i: chunk i of sub-lane s, dims d0).
   // kv_inv: 1 / the thread's store scale (K, V or q's FP8 output); with per-token scales
-  // (KvQuant::kDynamic) K's and V's come from the head's amax instead.
+  // (KvQuant::kDynamic) K's and V's divisors come from the head's amax instead.
   template <int kSub, class Factors>
-  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const Out& out, const Out& out8,
-                                 const uint32_t (&d0)[2 * kSub], const Factors& factors, float kv_inv, int64_t t,
+  static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const uint32_t (&d0)[2 * kSub],
+                                 const Factors& factors, float kv_inv, int64_t t,
                                  const uint4 (&x)[2 * kSub], const Meta<kSub>& m) {
     const int kind = role.kind, head = role.head;
     float f[kSub][2][kVec];
@@ -678,14 +675,17 @@ struct Fused {
     for (int c = 0; c < 2 * kSub; ++c) unpack8<M>(x[c], f[c / 2][c % 2]);
     if (kind == kV) {
       if (m.pos < 0 || !slot_ok<typename VT::V>(a.v_cache, m.slot)) return;
-      if constexpr (KvQuant::kDynamic) kv_inv = token_scale<typename VT::VScale, kSub>(a.v_scale_cache, m.slot, head, lane, f);
+      const KvFactor k = [&] {
+        if constexpr (KvQuant::kDynamic) return token_scale<typename VT::VScale, kSub>(a.v_scale_cache, m.slot, head, lane, f);
+        else return kv_inv;
+      }();
       if constexpr (kStageV) {
-        put_v_by_dim<kSub>(a.v_cache, kv_inv, m.slot, head, lane, d0, x, f);
+        put_v_by_dim<kSub>(a.v_cache, k, m.slot, head, lane, d0, x, f);
       } else {
 #pragma unroll
         for (int c = 0; c < 2 * kSub; ++c) {
           const uint32_t bits[4] = {x[c].x, x[c].y, x[c].z, x[c].w};
-          store_chunk<KvQuant, false, typename VT::V>(a.v_cache, m.slot, head, d0[c], f[c / 2][c % 2], bits, kv_inv);
+          store_chunk<KvQuant, false, typename VT::V>(a.v_cache, m.slot, head, d0[c], f[c / 2][c % 2], bits, k);
         }
       }
       return;
@@ -699,56 +699,53 @@ struct Fused {
       Norm::apply(f[s], inv, factors, s);
       Rope::apply(m.cs[s], cs_row, lane, chunks_of<kSub>(d0, s, lane), f[s]);
     };
-    auto store = [&](int s) {  // false: the token writes nothing more
+    auto store = [&](int s, const KvFactor& k) {  // false: the token writes nothing more
       if (m.pos < 0) {  // no cos/sin row (SPEC §1): zeros to the outputs, no cache write
-        store_zero_rows<kSub>(out, out8, kind, t, d0);
+        store_zero_rows<kSub>(a, kind, head, t, d0);
         return false;
       }
-      store_normed(a, kind, head, out, out8, m.slot, kv_inv, t, chunks_of<kSub>(d0, s, lane).d0, f[s]);
+      store_normed(a, kind, head, m.slot, kv_inv, k, t, chunks_of<kSub>(d0, s, lane).d0, f[s]);
       return true;
     };
 #pragma unroll
     for (int s = 0; s < kSub; ++s) {
       rotate(s);
-      if (!kWholeHead && !store(s)) return;
+      if constexpr (!kWholeHead) {
+        if (!store(s, kv_inv)) return;
+      }
     }
     if constexpr (kWholeHead) {
+      KvFactor k(1.0f);  // K's; no other role's store reads it
       if (kind == kK && m.pos >= 0 && slot_ok<typename VT::K>(a.k_cache, m.slot))
-        kv_inv = token_scale<typename VT::KScale, kSub>(a.k_scale_cache, m.slot, head, lane, f);
+        k = token_scale<typename VT::KScale, kSub>(a.k_scale_cache, m.slot, head, lane, f);
 #pragma unroll
       for (int s = 0; s < kSub; ++s)
-        if (!store(s)) return;
+        if (!store(s, k)) return;
     }
   }
 
   // A per-token scale (KvQuant::kDynamic) of the head whose fp32 values y a group holds:
   // their amax reduced over the group, its scale written once (thread lane 0) into the
-  // scale cache C at the slot. Returns it (what KvQuant::pack divides by).
+  // scale cache C at the slot. Returns its Divisor (what KvQuant::pack divides by).
   template <class C, int kSub>
-  static KVF_DEVICE float token_scale(const kvf_cache_t& c, int64_t slot, uint32_t h, int lane,
-                                      const float (&y)[kSub][2][kVec]) {
+  static KVF_DEVICE KvFactor token_scale(const kvf_cache_t& c, int64_t slot, uint32_t h, int lane,
+                                         const float (&y)[kSub][2][kVec]) {
     float amax[kSub];
 #pragma unroll
-    for (int s = 0; s < kSub; ++s) {
-      amax[s] = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) amax[s] = fmaxf(amax[s], fabsf(y[s][i][j]));
-      }
-    }
-    const float scale = KvQuant::dynamic(HeadGroup<kSub, LN<kSub>>{}.max(amax));
-    if (lane == 0) put_scale<C>(c, slot, h, scale);
-    return scale;
+    for (int s = 0; s < kSub; ++s) amax[s] = abs_max<2 * kVec>(&y[s][0][0]);
+    const KvFactor k = KvQuant::dynamic(HeadGroup<kSub, LN<kSub>>{}.max(amax));
+    if (lane == 0) put_scale<C>(c, slot, h, k.s);
+    return k;
   }
 
   // Chunk values y (fp32; `bits`: their model-dtype rounding) of one (slot, head) into a
   // cache, as Q stores them (quantized from the rounding where kFromRounded).
   template <class Q, bool kFromRounded, class C>
   static KVF_DEVICE void store_chunk(const kvf_cache_t& c, int64_t slot, uint32_t h, uint32_t d0,
-                                     const float (&y)[kVec], const uint32_t (&bits)[4], float inv) {
+                                     const float (&y)[kVec], const uint32_t (&bits)[4],
+                                     const typename Q::Factor& k) {
     uint32_t w[2 * Q::kBytes];
-    Q::template pack<kFromRounded>(y, bits, inv, w);
+    Q::template pack<kFromRounded>(y, bits, k, w);
     store_dims<C>(c, slot, h, d0, w);
   }
 
@@ -757,19 +754,20 @@ struct Fused {
   // not as zeroed values through store_normed: those stayed live beside the rotated ones
   // and made FP8 variants spill.
   template <int kSub>
-  static KVF_DEVICE void store_zero_rows(const Out& out, const Out& out8, int kind, int64_t t,
+  static KVF_DEVICE void store_zero_rows(const kvf_args_t& a, int kind, int head, int64_t t,
                                          const uint32_t (&d0)[2 * kSub]) {
     const uint32_t zero[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int c = 0; c < 2 * kSub; ++c) {
-      if (kind == kIQ) {
-        constexpr int EB = IndexQuant::kBytes;
-        store_bytes<8 * EB>(out.at(t, d0[c], EB), zero, 0);
-      } else if (out.p) {
-        store_bytes<16>(out.at(t, d0[c], 2), zero, 0);
-      }
-      if constexpr (kQFp8) {
-        if (kind == kQ) store_bytes<8>(out8.at(t, d0[c], 1), zero, 0);
+      if (kind == kQ) {
+        put_row<kQ>(a, head, t, d0[c], zero);
+        if constexpr (kQFp8) put_row<kQ8>(a, head, t, d0[c], zero);
+      } else if (kind == kK) {
+        put_row<kK>(a, head, t, d0[c], zero);
+      } else if (kind == kIQ) {
+        put_row<kIQ>(a, head, t, d0[c], zero);
+      } else {
+        put_row<kIK>(a, head, t, d0[c], zero);
       }
     }
   }
@@ -777,8 +775,8 @@ struct Fused {
   // One lane's rotated values y (dims d0[i] ..) to its outputs and caches: q to q_out and
   // q_fp8_out, K and index_k to their caches as the variant quantizes them (and, where
   // asked, to k_out and index_k_out in the model dtype), index_q to index_q_out.
-  static KVF_DEVICE void store_normed(const kvf_args_t& a, int kind, int head, const Out& out, const Out& out8,
-                                      int64_t slot, float kv_inv, int64_t t, const uint32_t (&d0)[2],
+  static KVF_DEVICE void store_normed(const kvf_args_t& a, int kind, int head, int64_t slot, float q_inv,
+                                      const KvFactor& k, int64_t t, const uint32_t (&d0)[2],
                                       const float (&y)[2][kVec]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -788,24 +786,24 @@ struct Fused {
       // PERF.md, v6.9).
       uint32_t bits[4];
       pack_model<M>(y[i], bits);
-      if (kind == kIQ) {
+      if (kind == kQ) {
+        put_row<kQ>(a, head, t, d0[i], bits);
+        if constexpr (kQFp8) {  // SPEC §1: from the rounded q, saturating
+          uint32_t w[2];
+          QQuant::template pack<true>(y[i], bits, q_inv, w);
+          put_row<kQ8>(a, head, t, d0[i], w);
+        }
+      } else if (kind == kK) {
+        put_row<kK>(a, head, t, d0[i], bits);
+        if (slot_ok<typename VT::K>(a.k_cache, slot))
+          store_chunk<KvQuant, VT::kRoundBeforeQuant, typename VT::K>(a.k_cache, slot, head, d0[i], y[i], bits, k);
+      } else if (kind == kIQ) {
         constexpr int EB = IndexQuant::kBytes;
         uint32_t w[2 * EB];
         IndexQuant::template pack<false>(y[i], bits, 1.0f, w);  // SPEC §1: FP8 straight from fp32
-        store_bytes<8 * EB>(out.at(t, d0[i], EB), w, 0);
-        continue;
-      }
-      if (out.p) store_bytes<16>(out.at(t, d0[i], 2), bits, 0);  // q_out, k_out, index_k_out
-      if (kind == kQ) {
-        if constexpr (kQFp8) {  // SPEC §1: from the rounded q, saturating
-          uint32_t w[2];
-          QQuant::template pack<true>(y[i], bits, kv_inv, w);
-          store_bytes<8>(out8.at(t, d0[i], 1), w, 0);
-        }
-      } else if (kind == kK) {
-        if (slot_ok<typename VT::K>(a.k_cache, slot))
-          store_chunk<KvQuant, VT::kRoundBeforeQuant, typename VT::K>(a.k_cache, slot, head, d0[i], y[i], bits, kv_inv);
+        put_row<kIQ>(a, head, t, d0[i], w);
       } else {
+        put_row<kIK>(a, head, t, d0[i], bits);
         if (slot_ok<typename VT::Index>(a.index_cache, slot))
           store_chunk<IndexQuant, VT::kRoundBeforeQuant, typename VT::Index>(a.index_cache, slot, 0, d0[i], y[i], bits,
                                                                              1.0f);
@@ -880,17 +878,16 @@ struct Fused {
         const uint32_t bits[4] = {raw[k2].x, raw[k2].y, raw[k2].z, raw[k2].w};
         float f[kVec];
         if constexpr (kKvFp8) unpack8<M>(raw[k2], f);
-        float inv_k = inv;
         if constexpr (KvQuant::kDynamic) {  // token k2's amax over the group's lanes (8 dims each)
-          float amax = 0.0f;
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) amax = fmaxf(amax, fabsf(f[j]));
+          float amax = abs_max<kVec>(f);
 #pragma unroll
           for (int sh = LPH / 2; sh >= 1; sh /= 2) amax = fmaxf(amax, shfl_xor<LPH>(amax, sh));
-          inv_k = KvQuant::dynamic(amax);
-          if (lane == k2) scale = inv_k;
+          const KvFactor k = KvQuant::dynamic(amax);
+          if (lane == k2) scale = k.s;
+          KvQuant::template pack<false>(f, bits, k, w[k2]);
+        } else {
+          KvQuant::template pack<false>(f, bits, inv, w[k2]);
         }
-        KvQuant::template pack<false>(f, bits, inv_k, w[k2]);
       }
       if constexpr (KvQuant::kDynamic) {
         if (lane < n) put_scale<typename VT::VScale>(a.v_scale_cache, slot, h, scale);

@@ -33,16 +33,66 @@ KVF_DEVICE void pack_model(const float (&f)[kVec], uint32_t (&w)[4]) {
   for (int i = 0; i < 4; ++i) w[i] = M::from_float(f[2 * i]) | (M::from_float(f[2 * i + 1]) << 16);
 }
 
-// value * s (or, kDivide, value / s) to FP8, saturating to the format's max or
-// (passthrough) with out-of-range values as NaN.
-template <Fp8 F, bool Saturate, bool kDivide = false>
-KVF_DEVICE void pack_fp8(const float (&f)[kVec], float s, uint32_t (&w)[2]) {
-  const auto q = [s](float v) { return kDivide ? v / s : v * s; };
+// Division by a per-token scale s, correctly rounded (an IEEE division: AITER's per-token
+// quantization), without a division per value: q = f * r with r = 1 / s rounded, then one
+// fma correction, which Markstein's theorem makes exact wherever the residual f - q s is
+// (s >= 2^-90: no underflow for any quotient of 2^-13 or more, and smaller ones are 0 in
+// FP8 either way). An infinite s takes q = f * 0 corrected by nothing (sc = 0), which is
+// f / inf. A smaller s (a head of tiny values) and the values are first scaled by 2^64,
+// exactly: a branch of the whole head, not a multiply per value, as the kernel issues
+// instructions about two cycles in three (ncu, PERF.md s32). Made once per token and head.
+struct Divisor {
+  float s;          // the scale
+  float m, r, sc;   // the values' factor (1 or 2^64), 1 / (s m) rounded, s m (0 for an infinite s)
+  KVF_HOST_DEVICE explicit Divisor(float scale) : s(scale) {
+    m = s < 0x1p-90f ? 0x1p64f : 1.0f;
+    const float sm = s * m;
+    r = 1.0f / sm;
+    sc = sm <= 0x1p126f ? sm : 0.0f;  // s is at most FLT_MAX / 448 unless infinite
+  }
+  template <int N>
+  KVF_HOST_DEVICE void divide(float (&q)[N]) const {
+    if (m == 1.0f) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) q[j] = quotient(q[j]);
+    } else {  // a scale of 0 (a subnormal amax) takes f * inf, uncorrected: f / 0
+#pragma unroll
+      for (int j = 0; j < N; ++j) q[j] = sc > 0.0f ? quotient(q[j] * m) : q[j] * r;
+    }
+  }
+  // The residual taken as q0 s - x, so a zero quotient keeps x's sign (-0 / s is -0).
+  KVF_HOST_DEVICE float quotient(float x) const {
+    const float q0 = x * r;
+    return fmaf(-fmaf(q0, sc, -x), r, q0);
+  }
+};
+
+// Values scaled as a store asks: times 1 / scale, or divided by a per-token scale.
+template <int N>
+KVF_DEVICE void scale_by(float (&q)[N], float inv) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) q[j] *= inv;
+}
+template <int N>
+KVF_DEVICE void scale_by(float (&q)[N], const Divisor& d) { d.divide(q); }
+
+// Values already scaled, to FP8, saturating to the format's max or (passthrough) with
+// out-of-range values as NaN.
+template <Fp8 F, bool Saturate>
+KVF_DEVICE void pack_fp8(const float (&q)[kVec], uint32_t (&w)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    w[i] = fp8x2_from_float<F, Saturate>(q(f[4 * i]), q(f[4 * i + 1])) |
-           (fp8x2_from_float<F, Saturate>(q(f[4 * i + 2]), q(f[4 * i + 3])) << 16);
+    w[i] = fp8x2_from_float<F, Saturate>(q[4 * i], q[4 * i + 1]) |
+           (fp8x2_from_float<F, Saturate>(q[4 * i + 2], q[4 * i + 3]) << 16);
   }
+}
+
+// The largest magnitude of N values, as a tree of maxima (the values' order of
+// comparison does not change a maximum).
+template <int N>
+KVF_DEVICE float abs_max(const float* v) {
+  if constexpr (N == 1) return fabsf(v[0]);
+  else return fmaxf(abs_max<N / 2>(v), abs_max<N - N / 2>(v + N / 2));
 }
 
 // ---- Norm -----------------------------------------------------------------------------
@@ -252,16 +302,17 @@ struct GptjRope {
 };
 
 // ---- Quant ----------------------------------------------------------------------------
-// How a chunk of values is stored: pack<kFromRounded>(y, bits, s, w) gives the words of
+// How a chunk of values is stored: pack<kFromRounded>(y, bits, k, w) gives the words of
 // its 8 elements (kBytes each) from the fp32 values y or, kFromRounded, from their
-// model-dtype rounding `bits` (SPEC §1: round_before_quant); s is 1 / scale(...) or, for a
-// per-token scale (kDynamic), dynamic(amax) itself.
+// model-dtype rounding `bits` (SPEC §1: round_before_quant), scaled by k (Factor): 1 /
+// scale(...) or, for a per-token scale (kDynamic), the Divisor dynamic(amax) makes.
 
 // The model dtype: the rounding itself.
 template <class M>
 struct AsModel {
   static constexpr int kBytes = 2;
   static constexpr bool kDynamic = false;
+  using Factor = float;
   static KVF_DEVICE float scale(const float*, uint32_t) { return 1.0f; }
   template <bool kFromRounded>
   static KVF_DEVICE void pack(const float (&)[kVec], const uint32_t (&bits)[4], float, uint32_t (&w)[4]) {
@@ -278,6 +329,7 @@ template <class M, Fp8 F, Scale S, bool kSaturate>
 struct AsFp8 {
   static constexpr int kBytes = 1;
   static constexpr bool kDynamic = S == Scale::PerTokenHead;
+  using Factor = std::conditional_t<kDynamic, Divisor, float>;
   static KVF_DEVICE float scale(const float* p, uint32_t h) {
     if constexpr (S == Scale::PerTensor) return p[0];
     else if constexpr (S == Scale::PerHead) return p[h];
@@ -285,17 +337,28 @@ struct AsFp8 {
   }
   // The scale of a (token, head) whose largest magnitude (of the fp32 values) is amax,
   // which its values are divided by: AITER's fused_qknorm_idxrqknorm, bit for bit (amax /
-  // the format's max, 1 for an all-zero head).
-  static KVF_DEVICE float dynamic(float amax) { return amax > 0.0f ? amax / Fp8Format<F>::kMax : 1.0f; }
-  template <bool kFromRounded>
-  static KVF_DEVICE void pack(const float (&y)[kVec], const uint32_t (&bits)[4], float s, uint32_t (&w)[2]) {
-    if constexpr (kFromRounded) {
-      float r[kVec];
-      unpack8<M>(make_uint4(bits[0], bits[1], bits[2], bits[3]), r);
-      pack_fp8<F, kSaturate, kDynamic>(r, s, w);
-    } else {
-      pack_fp8<F, kSaturate, kDynamic>(y, s, w);
+  // the format's max, 1 for an all-zero head). The quotient by Markstein's correction with
+  // the constant 1 / max (exact for a normal amax of 2^-100 or more; else divided).
+  static KVF_HOST_DEVICE Divisor dynamic(float amax) {
+    constexpr float kMax = Fp8Format<F>::kMax, kInv = 1.0f / kMax;
+    if (amax >= 0x1p-100f && amax <= 0x1.fffffep127f) {
+      const float q = amax * kInv;
+      return Divisor(fmaf(fmaf(-q, kMax, amax), kInv, q));
     }
+    return Divisor(amax > 0.0f ? amax / kMax : 1.0f);
+  }
+  template <bool kFromRounded>
+  static KVF_DEVICE void pack(const float (&y)[kVec], const uint32_t (&bits)[4], const Factor& k,
+                              uint32_t (&w)[2]) {
+    float q[kVec];
+    if constexpr (kFromRounded) {
+      unpack8<M>(make_uint4(bits[0], bits[1], bits[2], bits[3]), q);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) q[j] = y[j];
+    }
+    scale_by(q, k);
+    pack_fp8<F, kSaturate>(q, w);
   }
 };
 
