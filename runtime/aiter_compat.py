@@ -23,72 +23,11 @@ from typing import Optional
 import torch
 
 from .api import fused_qknorm_rope_cache
-from .registry import spec
+from .engine_args import (FP8, SCRATCH, as_fp8, first, head_columns, index_cache_at, is_fp8, platform_fp8,
+                          scale_or_identity, scratch_caches)
 from .validate import _aligned, _given, _rows, _tensor
 
 Tensor = torch.Tensor
-_FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-
-
-def _platform_fp8(device: torch.device) -> torch.dtype:
-    if torch.version.hip is not None and device.type == "cuda":
-        arch = torch.cuda.get_device_properties(device).gcnArchName
-        if arch.startswith("gfx94"):
-            return torch.float8_e4m3fnuz
-    return torch.float8_e4m3fn
-
-
-def _as_fp8(name: str, t: Optional[Tensor], kv_cache_dtype: str) -> Optional[Tensor]:
-    if not isinstance(t, Tensor) or not kv_cache_dtype.startswith("fp8"):
-        return t  # None and non-tensors: the native call names them
-    if t.dtype == torch.uint8:
-        return t.view(_platform_fp8(t.device))
-    if t.dtype not in _FP8:
-        raise TypeError(f"{name}: expected dtype float8_e4m3fn, float8_e4m3fnuz or uint8 (kv_cache_dtype="
-                        f"{kv_cache_dtype!r}), got {str(t.dtype).removeprefix('torch.')}")
-    return t
-
-
-def _first(t, n: Optional[int]):
-    """AITER reads the first num_tokens entries of a longer index vector."""
-    if n is not None and isinstance(t, Tensor) and t.dim() == 1 and t.shape[0] > n:
-        return t[:n]
-    return t
-
-
-_ONES: dict = {}  # device -> fp32 [1] holding 1.0, the identity scale
-
-
-def _scale(t, kv_cache_dtype: str, cache):
-    """AITER: no scale with kv_cache_dtype 'auto'; a missing or empty one is the identity."""
-    if kv_cache_dtype == "auto":
-        return None
-    if (t is None or (isinstance(t, Tensor) and t.numel() == 0)) and isinstance(cache, Tensor):
-        ones = _ONES.get(cache.device)
-        if ones is None:
-            ones = _ONES[cache.device] = torch.ones(1, dtype=torch.float32, device=cache.device)
-        return ones
-    return t
-
-
-def _index_cache(t, contract: str):
-    """The index cache at a page size the contract allows: as given where its size(1) is one,
-    else (contiguous: AITER addresses it flat, row `slot` of [-1, D]) viewed as
-    [-1, P, D], P the contract's default page size or else the largest it allows that
-    divides the rows. Anything else goes as given, for the native call to name."""
-    cache = spec().contracts[contract].index
-    if not isinstance(t, Tensor) or t.dim() < 2 or (t.dim() == 3 and t.shape[1] in cache.page_sizes):
-        return t
-    if not t.is_contiguous() or t.numel() == 0:
-        return t
-    rows = t.numel() // t.shape[-1]
-    fits = [p for p in cache.page_sizes if rows % p == 0]
-    if not fits:
-        return t
-    p = cache.page_size if cache.page_size in fits else max(fits)
-    return t.view(rows // p, p, t.shape[-1])
-
-
 def minimax_m3_qknorm_rope_cache_shuffle_insert(
     qkv: Tensor,
     q_norm_weight: Tensor,
@@ -123,14 +62,14 @@ def minimax_m3_qknorm_rope_cache_shuffle_insert(
     if skip_index_branch:
         index_q_norm_weight = index_k_norm_weight = index_slot_mapping = index_cache = index_q_out = None
     fused_qknorm_rope_cache(
-        qkv, _first(positions, n), cos_sin_cache, _first(slot_mapping, n),
-        _as_fp8("k_cache", k_cache, kv_cache_dtype), _as_fp8("v_cache", v_cache, kv_cache_dtype),
+        qkv, first(positions, n), cos_sin_cache, first(slot_mapping, n),
+        as_fp8("k_cache", k_cache, kv_cache_dtype), as_fp8("v_cache", v_cache, kv_cache_dtype),
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, num_heads=num_heads,
         num_kv_heads=num_kv_heads, rotary_dim=rotary_dim, contract="vllm_shuffle16", eps=eps,
         num_index_heads=num_index_heads, index_q_norm_weight=index_q_norm_weight,
-        index_k_norm_weight=index_k_norm_weight, index_cache=_index_cache(index_cache, "vllm_shuffle16"),
-        index_slot_mapping=_first(index_slot_mapping, n), k_scale=_scale(k_scale, kv_cache_dtype, k_cache),
-        v_scale=_scale(v_scale, kv_cache_dtype, k_cache), q_out=q_out, index_q_out=index_q_out,
+        index_k_norm_weight=index_k_norm_weight, index_cache=index_cache_at(index_cache, "vllm_shuffle16"),
+        index_slot_mapping=first(index_slot_mapping, n), k_scale=scale_or_identity(k_scale, kv_cache_dtype, k_cache),
+        v_scale=scale_or_identity(v_scale, kv_cache_dtype, k_cache), q_out=q_out, index_q_out=index_q_out,
         index_mode="skip" if skip_index_branch else "full")
 
 
@@ -140,44 +79,6 @@ def minimax_m3_qknorm_rope_cache_shuffle_insert(
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e4m3_unit", "fp8_e4m3_static")
 _PER_TOKEN = ("fp8", "fp8_e4m3")
 _UNIT, _STATIC = "fp8_e4m3_unit", "fp8_e4m3_static"
-# Calls without a KV cache (AITER's non-insert mode) and the extra launch below run the native
-# op on SHUFFLE caches that no slot addresses: the seed contract, whose variants are prebuilt.
-_SCRATCH = "vllm_shuffle16"
-_DUMMIES: dict = {}  # (device, dtype, nkv, head_dim) -> (K, V, index) caches no call writes
-_NO_SLOTS: dict = {}  # device -> an empty int64 slot mapping
-
-
-def _is_fp8(t) -> bool:
-    return isinstance(t, Tensor) and t.dtype in _FP8
-
-
-def _dummies(device: torch.device, dtype: torch.dtype, index_dtype: torch.dtype, nkv: int, D: int):
-    """One page of K and V (model dtype) and of the index cache (index_dtype) in _SCRATCH's
-    layout, and an empty slot mapping: a call with them writes no cache."""
-    x = 16 // torch.empty((), dtype=dtype).element_size()
-    key = (device, dtype, nkv, D)
-    kv = _DUMMIES.get(key)
-    if kv is None:
-        kv = _DUMMIES[key] = (torch.zeros(1, nkv, D // x, 16, x, dtype=dtype, device=device),
-                              torch.zeros(1, nkv, 16 // x, D, x, dtype=dtype, device=device))
-    ikey = (device, index_dtype, D)
-    index = _DUMMIES.get(ikey)
-    if index is None:
-        page = spec().contracts[_SCRATCH].index.page_size
-        index = _DUMMIES[ikey] = torch.zeros(1, page, D, dtype=index_dtype, device=device)
-    none = _NO_SLOTS.get(device)
-    if none is None:
-        none = _NO_SLOTS[device] = torch.empty(0, dtype=torch.int64, device=device)
-    return kv[0], kv[1], index, none
-
-
-def _heads(qkv, first: int, count: int, D: int):
-    """qkv's columns of `count` heads from head `first` (a strided view: written in place)."""
-    if not isinstance(qkv, Tensor) or qkv.dim() != 2:
-        return None  # the native call names qkv
-    return qkv[:, first * D:(first + count) * D]
-
-
 def _positive(name: str, val, what: str) -> int:
     if isinstance(val, bool) or not isinstance(val, int):
         raise TypeError(f"{name}: expected {what}, got {_given(val)}")
@@ -253,7 +154,7 @@ def fused_qknorm_idxrqknorm(
         raise ValueError(f"kv_cache_dtype: expected one of {', '.join(map(repr, _KV_CACHE_DTYPES))}, "
                          f"got {kv_cache_dtype!r}")
     if index_cache_dtype is None:
-        index_cache_dtype = "fp8" if _is_fp8(index_cache) or _is_fp8(index_q_out) else "auto"
+        index_cache_dtype = "fp8" if is_fp8(index_cache) or is_fp8(index_q_out) else "auto"
     elif not isinstance(index_cache_dtype, str) or not (index_cache_dtype == "auto"
                                                         or index_cache_dtype.startswith("fp8")):
         raise (TypeError if not isinstance(index_cache_dtype, str) else ValueError)(
@@ -275,26 +176,26 @@ def fused_qknorm_idxrqknorm(
                   rotary_dim=rotary_dim, eps=eps, num_index_heads=num_index_heads,
                   index_q_norm_weight=index_q_norm_weight, index_k_norm_weight=index_k_norm_weight,
                   index_mode=index_mode)
-    positions = _first(positions, n)
+    positions = first(positions, n)
     if index_cache_dtype != "auto" and isinstance(index_q_out, Tensor) and index_q_out.dtype == torch.uint8:
-        index_q_out = index_q_out.view(_platform_fp8(index_q_out.device))
+        index_q_out = index_q_out.view(platform_fp8(index_q_out.device))
     if q_out is None:
-        q_out = _heads(qkv, 0, nq, D)
+        q_out = head_columns(qkv, 0, nq, D)
     index_heads = nq + 2 * nkv
     if index_mode == "full" and index_q_out is None:
-        index_q_out = _heads(qkv, index_heads, num_index_heads, D)
+        index_q_out = head_columns(qkv, index_heads, num_index_heads, D)
 
     if kv_cache_k is None and kv_cache_v is None:
         # Non-insert mode: q, K, index_q and index_k rotated in place (or into q_out /
         # index_q_out), V and every cache untouched: no slot addresses the dummy caches.
         iq_dtype = index_q_out.dtype if isinstance(index_q_out, Tensor) else model
-        k, v, index, no_slots = _dummies(device, model, iq_dtype, nkv, D)
+        k, v, index, no_slots = scratch_caches(device, model, iq_dtype, nkv, D)
         full = index_mode == "full"
         fused_qknorm_rope_cache(
-            qkv, positions, cos_sin_cache, no_slots, k, v, contract=_SCRATCH, q_out=q_out,
-            k_out=_heads(qkv, nq, nkv, D), index_cache=index if full else None,
+            qkv, positions, cos_sin_cache, no_slots, k, v, contract=SCRATCH, q_out=q_out,
+            k_out=head_columns(qkv, nq, nkv, D), index_cache=index if full else None,
             index_slot_mapping=no_slots if full else None, index_q_out=index_q_out,
-            index_k_out=_heads(qkv, index_heads + num_index_heads, 1, D) if full else None, **common)
+            index_k_out=head_columns(qkv, index_heads + num_index_heads, 1, D) if full else None, **common)
         return
     if kv_cache_k is None or kv_cache_v is None:
         given, missing = ("kv_cache_k", "kv_cache_v") if kv_cache_v is None else ("kv_cache_v", "kv_cache_k")
@@ -318,19 +219,19 @@ def fused_qknorm_idxrqknorm(
     scales: dict = {}
     if kv_cache_dtype == "auto":
         for name, cache in (("kv_cache_k", kv_cache_k), ("kv_cache_v", kv_cache_v)):
-            if isinstance(cache, Tensor) and (cache.dtype in _FP8 or cache.dtype == torch.uint8):
+            if isinstance(cache, Tensor) and (cache.dtype in FP8 or cache.dtype == torch.uint8):
                 raise TypeError(f"{name}: expected dtype {str(model).removeprefix('torch.')} (kv_cache_dtype='auto': "
                                 f"the dtype of qkv), got {str(cache.dtype).removeprefix('torch.')}")
     else:
-        kv_cache_k = _as_fp8("kv_cache_k", kv_cache_k, kv_cache_dtype)
-        kv_cache_v = _as_fp8("kv_cache_v", kv_cache_v, kv_cache_dtype)
+        kv_cache_k = as_fp8("kv_cache_k", kv_cache_k, kv_cache_dtype)
+        kv_cache_v = as_fp8("kv_cache_v", kv_cache_v, kv_cache_dtype)
         if kv_cache_dtype == _UNIT:
             for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
                 if s is not None:
                     raise ValueError(f"{name}: expected None (kv_cache_dtype={_UNIT!r} takes no scale), got {_given(s)}")
             if asm_layout:  # SHUFFLE holds no unit scale: a per-tensor 1.0 stores the same bytes
-                scales = dict(k_scale=_scale(None, kv_cache_dtype, kv_cache_k),
-                              v_scale=_scale(None, kv_cache_dtype, kv_cache_k))
+                scales = dict(k_scale=scale_or_identity(None, kv_cache_dtype, kv_cache_k),
+                              v_scale=scale_or_identity(None, kv_cache_dtype, kv_cache_k))
         else:
             what = ("a float32 tensor the op fills with per-token scales" if kv_cache_dtype in _PER_TOKEN
                     else "a one-element float32 tensor (a static scale)")
@@ -346,22 +247,22 @@ def fused_qknorm_idxrqknorm(
                                         for s in (k_scale, v_scale))
                 scales = dict(k_scale_cache=k_scale, v_scale_cache=v_scale)
 
-    slot_mapping = _first(slot_mapping, n)
+    slot_mapping = first(slot_mapping, n)
     aux = False  # index_q in the model dtype beside an FP8 index cache: a second launch
     if index_mode == "full":
         if index_slot_mapping is None:
             index_slot_mapping = slot_mapping
-        index_slot_mapping = _first(index_slot_mapping, n)
+        index_slot_mapping = first(index_slot_mapping, n)
         if index_cache_dtype == "auto":
-            if isinstance(index_cache, Tensor) and (index_cache.dtype in _FP8 or index_cache.dtype == torch.uint8):
+            if isinstance(index_cache, Tensor) and (index_cache.dtype in FP8 or index_cache.dtype == torch.uint8):
                 raise TypeError(f"index_cache: expected dtype {str(model).removeprefix('torch.')} (index_cache_dtype="
                                 f"'auto': the dtype of qkv), got {str(index_cache.dtype).removeprefix('torch.')}")
         else:
-            index_cache = _as_fp8("index_cache", index_cache, index_cache_dtype)
-            aux = _is_fp8(index_cache) and isinstance(index_q_out, Tensor) and not _is_fp8(index_q_out)
+            index_cache = as_fp8("index_cache", index_cache, index_cache_dtype)
+            aux = is_fp8(index_cache) and isinstance(index_q_out, Tensor) and not is_fp8(index_q_out)
             if aux and isinstance(qkv, Tensor) and qkv.dim() == 2:
                 _model_index_q_out(index_q_out, qkv, index_cache, num_index_heads, D)
-        index_cache = _index_cache(index_cache, contract)
+        index_cache = index_cache_at(index_cache, contract)
     fused_qknorm_rope_cache(
         qkv, positions, cos_sin_cache, slot_mapping, kv_cache_k, kv_cache_v, contract=contract, q_out=q_out,
         index_cache=index_cache, index_slot_mapping=index_slot_mapping, index_q_out=None if aux else index_q_out,
@@ -370,6 +271,6 @@ def fused_qknorm_idxrqknorm(
         # The FP8 index cache's variant writes index_q as FP8 (to a scratch output above);
         # the model-dtype index_q comes from a launch that writes no cache. It reads only
         # index_q's columns of qkv, which the launch above left as they were.
-        k, v, index, no_slots = _dummies(device, model, index_q_out.dtype, nkv, D)
-        fused_qknorm_rope_cache(qkv, positions, cos_sin_cache, no_slots, k, v, contract=_SCRATCH, index_cache=index,
+        k, v, index, no_slots = scratch_caches(device, model, index_q_out.dtype, nkv, D)
+        fused_qknorm_rope_cache(qkv, positions, cos_sin_cache, no_slots, k, v, contract=SCRATCH, index_cache=index,
                                 index_slot_mapping=no_slots, index_q_out=index_q_out, **common)

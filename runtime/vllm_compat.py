@@ -17,7 +17,7 @@ vLLM's op does, by mutation, returning None:
 - `kv_cache` given: K and V inserted at `slot_mapping`, index_k into `index_cache` at
   `index_slot_mapping` (default: `slot_mapping`). Like vLLM, only on rows with index heads.
   Without it, no cache is written: the call runs on the scratch contract's one-page caches
-  (runtime/aiter_compat.py's, whose dense and index variants are prebuilt) with no slots.
+  (runtime/engine_args.py's, whose dense and index variants are prebuilt) with no slots.
 - `kv_cache` is vLLM's 4-D `[num_blocks, num_kv_heads, block_size, 2 * head_dim]` (K at
   `[..., :head_dim]`, V after it), laid out as its strides say: contiguous (HND, contract
   `vllm_m3`) or with a block's slots before its heads (NHD, `vllm_m3_nhd`); `block_size`
@@ -44,8 +44,9 @@ from typing import Optional
 
 import torch
 
-from .aiter_compat import _SCRATCH, _as_fp8, _dummies, _first, _heads, _index_cache, _is_fp8, _scale
 from .api import fused_qknorm_rope_cache
+from .engine_args import (SCRATCH, as_fp8, first, head_columns, index_cache_at, is_fp8, scale_or_identity,
+                          scratch_caches)
 from .validate import _absent, _given
 
 Tensor = torch.Tensor
@@ -180,29 +181,29 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
             if kv_cache_dtype == "auto" and isinstance(qkv, Tensor) and kv_cache.dtype != qkv.dtype:
                 raise TypeError(f"kv_cache: expected dtype {str(qkv.dtype).removeprefix('torch.')} (the dtype "
                                 f"of qkv, kv_cache_dtype='auto'), got {str(kv_cache.dtype).removeprefix('torch.')}")
-            kv_cache = _as_fp8("kv_cache", kv_cache, kv_cache_dtype)
-            k_scale = v_scale = _scale(None, kv_cache_dtype, kv_cache)  # vLLM's unit scale
+            kv_cache = as_fp8("kv_cache", kv_cache, kv_cache_dtype)
+            k_scale = v_scale = scale_or_identity(None, kv_cache_dtype, kv_cache)  # vLLM's unit scale
             contract, kv_cache = _layout(kv_cache)
         else:
             contract = "vllm_m3"  # (not a tensor: the native call names it)
-        positions, slot_mapping = _first(positions, n), _first(slot_mapping, n)
-        index_slot_mapping = _first(index_slot_mapping, n)
+        positions, slot_mapping = first(positions, n), first(slot_mapping, n)
+        index_slot_mapping = first(index_slot_mapping, n)
     else:
         # Nothing is inserted: the scratch contract's one-page caches that no slot addresses
         # (the index cache in the dtype of index_cache or else index_q_out), made once.
-        contract = _SCRATCH
-        positions = _first(positions, n)
+        contract = SCRATCH
+        positions = first(positions, n)
         slot_mapping = index_slot_mapping = None
         if device is not None:
             like = index_cache if isinstance(index_cache, Tensor) else index_q_out
-            k_cache, v_cache, scratch_index, slot_mapping = _dummies(
-                device, dtype, like.dtype if _is_fp8(like) else dtype, nkv, D or 128)
+            k_cache, v_cache, scratch_index, slot_mapping = scratch_caches(
+                device, dtype, like.dtype if is_fp8(like) else dtype, nkv, D or 128)
             if mode == "full":
                 index_cache, index_slot_mapping = scratch_index, slot_mapping
     if mode == "full" and kv_cache is not None:
-        index_cache = _index_cache(index_cache, contract)  # vLLM addresses it flat: any page size
+        index_cache = index_cache_at(index_cache, contract)  # vLLM addresses it flat: any page size
 
-    if mode == "full" and index_q_out is None and _is_fp8(index_cache):
+    if mode == "full" and index_q_out is None and is_fp8(index_cache):
         raise ValueError(f"index_q_out: expected a {str(index_cache.dtype).removeprefix('torch.')} tensor "
                          f"(index_cache is FP8: index_q is not written into qkv's columns), got None")
 
@@ -213,9 +214,9 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
         nq, niq = num_heads, num_index_heads
         row_heads = nq + 2 * nkv + (niq + 1 if mode != "none" else 0)
         if qkv.shape[1] == row_heads * D:
-            q_cols, k_out = _heads(qkv, 0, nq, D), _heads(qkv, nq, nkv, D)
+            q_cols, k_out = head_columns(qkv, 0, nq, D), head_columns(qkv, nq, nkv, D)
             if mode == "full":
-                iq_cols, index_k_out = _heads(qkv, nq + 2 * nkv, niq, D), _heads(qkv, nq + 2 * nkv + niq, 1, D)
+                iq_cols, index_k_out = head_columns(qkv, nq + 2 * nkv, niq, D), head_columns(qkv, nq + 2 * nkv + niq, 1, D)
     if q_out is None and q_fp8_out is None:
         q_out = q_cols
     if mode == "full" and index_q_out is None:

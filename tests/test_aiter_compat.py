@@ -33,7 +33,7 @@ import torch
 import layout_oracle
 
 from kvforge.codegen.signature import CALL_NAMES
-from kvforge.runtime import aiter_compat, build, toolchain
+from kvforge.runtime import aiter_compat, build, engine_args, toolchain
 from kvforge.runtime.aiter_compat import fused_qknorm_idxrqknorm, minimax_m3_qknorm_rope_cache_shuffle_insert
 from kvforge.runtime.api import fused_qknorm_rope_cache, reference_qknorm_rope_cache
 from kvforge.runtime.registry import source_of
@@ -43,7 +43,7 @@ from kvforge.runtime.validate import check
 D = 128        # AITER's HEAD_DIM
 EPS = 1e-6
 BF16, FP16 = torch.bfloat16, torch.float16
-FP8 = aiter_compat._platform_fp8(torch.device("cpu"))  # what uint8 caches are read as off gfx942
+FP8 = engine_args.platform_fp8(torch.device("cpu"))  # what uint8 caches are read as off gfx942
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FORM = re.compile(r"^(?P<arg>[a-z_0-9]+): expected .+, got .+", re.S)
 
@@ -1152,7 +1152,7 @@ GPU_CASES = _gpu_cases()
 
 
 def _gpu_fp8() -> torch.dtype:
-    return aiter_compat._platform_fp8(torch.device("cuda"))
+    return engine_args.platform_fp8(torch.device("cuda"))
 
 
 def _variants_of(call: Call) -> list:

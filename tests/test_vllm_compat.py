@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from kvforge.codegen.signature import CALL_NAMES
-from kvforge.runtime import aiter_compat, api, build, toolchain, vllm_compat
+from kvforge.runtime import api, build, engine_args, toolchain, vllm_compat
 from kvforge.runtime.api import fused_qknorm_rope_cache
 from kvforge.runtime.registry import source_of
 from kvforge.runtime.testing import compare
@@ -641,7 +641,7 @@ def test_index_arguments_it_does_not_read_are_ignored():
 def test_calls_without_caches_reuse_their_dummies():
     """The one-page cache (and index cache, and empty slot mapping) of a call that inserts
     nothing is made once per device, dtype and shape; the q_fp8_scale tensor once per value."""
-    kept = (aiter_compat._DUMMIES, aiter_compat._NO_SLOTS, vllm_compat._Q_SCALES)
+    kept = (engine_args._DUMMIES, engine_args._NO_SLOTS, vllm_compat._Q_SCALES)
     for case in (Case("dense", 3, niq=0, q_out=True, q_fp8=True), Case("profile", 3)):
         _call(case, _inputs(case))
         made = tuple(dict(d) for d in kept)

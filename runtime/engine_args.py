@@ -1,0 +1,112 @@
+"""What the drop-ins share (runtime/aiter_compat.py, runtime/vllm_compat.py): the engines'
+arguments mapped onto the native call's rules (FP8 caches given as raw uint8, index vectors
+longer than the call, a missing FP8 scale, an index cache addressed flat), and the scratch
+caches a call without a KV cache runs on."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .registry import spec
+
+Tensor = torch.Tensor
+FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def platform_fp8(device: torch.device) -> torch.dtype:
+    if torch.version.hip is not None and device.type == "cuda":
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        if arch.startswith("gfx94"):
+            return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
+
+
+def as_fp8(name: str, t: Optional[Tensor], kv_cache_dtype: str) -> Optional[Tensor]:
+    if not isinstance(t, Tensor) or not kv_cache_dtype.startswith("fp8"):
+        return t  # None and non-tensors: the native call names them
+    if t.dtype == torch.uint8:
+        return t.view(platform_fp8(t.device))
+    if t.dtype not in FP8:
+        raise TypeError(f"{name}: expected dtype float8_e4m3fn, float8_e4m3fnuz or uint8 (kv_cache_dtype="
+                        f"{kv_cache_dtype!r}), got {str(t.dtype).removeprefix('torch.')}")
+    return t
+
+
+def first(t, n: Optional[int]):
+    """The engines read the first num_tokens entries of a longer index vector."""
+    if n is not None and isinstance(t, Tensor) and t.dim() == 1 and t.shape[0] > n:
+        return t[:n]
+    return t
+
+
+_ONES: dict = {}  # device -> fp32 [1] holding 1.0, the identity scale
+
+
+def scale_or_identity(t, kv_cache_dtype: str, cache):
+    """AITER: no scale with kv_cache_dtype 'auto'; a missing or empty one is the identity."""
+    if kv_cache_dtype == "auto":
+        return None
+    if (t is None or (isinstance(t, Tensor) and t.numel() == 0)) and isinstance(cache, Tensor):
+        ones = _ONES.get(cache.device)
+        if ones is None:
+            ones = _ONES[cache.device] = torch.ones(1, dtype=torch.float32, device=cache.device)
+        return ones
+    return t
+
+
+def index_cache_at(t, contract: str):
+    """The index cache at a page size the contract allows: as given where its size(1) is one,
+    else (contiguous: AITER addresses it flat, row `slot` of [-1, D]) viewed as
+    [-1, P, D], P the contract's default page size or else the largest it allows that
+    divides the rows. Anything else goes as given, for the native call to name."""
+    cache = spec().contracts[contract].index
+    if not isinstance(t, Tensor) or t.dim() < 2 or (t.dim() == 3 and t.shape[1] in cache.page_sizes):
+        return t
+    if not t.is_contiguous() or t.numel() == 0:
+        return t
+    rows = t.numel() // t.shape[-1]
+    fits = [p for p in cache.page_sizes if rows % p == 0]
+    if not fits:
+        return t
+    p = cache.page_size if cache.page_size in fits else max(fits)
+    return t.view(rows // p, p, t.shape[-1])
+
+
+# Calls without a KV cache (AITER's non-insert mode, vLLM's op without kv_cache) and AITER's
+# second launch (a model-dtype index_q_out beside an FP8 index cache) run the native op on
+# SHUFFLE caches that no slot addresses: the seed contract, whose variants are prebuilt.
+SCRATCH = "vllm_shuffle16"
+_DUMMIES: dict = {}  # (device, dtype, nkv, head_dim) -> (K, V, index) caches no call writes
+_NO_SLOTS: dict = {}  # device -> an empty int64 slot mapping
+
+
+def is_fp8(t) -> bool:
+    return isinstance(t, Tensor) and t.dtype in FP8
+
+
+def scratch_caches(device: torch.device, dtype: torch.dtype, index_dtype: torch.dtype, nkv: int, D: int):
+    """One page of K and V (model dtype) and of the index cache (index_dtype) in SCRATCH's
+    layout, and an empty slot mapping: a call with them writes no cache."""
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    key = (device, dtype, nkv, D)
+    kv = _DUMMIES.get(key)
+    if kv is None:
+        kv = _DUMMIES[key] = (torch.zeros(1, nkv, D // x, 16, x, dtype=dtype, device=device),
+                              torch.zeros(1, nkv, 16 // x, D, x, dtype=dtype, device=device))
+    ikey = (device, index_dtype, D)
+    index = _DUMMIES.get(ikey)
+    if index is None:
+        page = spec().contracts[SCRATCH].index.page_size
+        index = _DUMMIES[ikey] = torch.zeros(1, page, D, dtype=index_dtype, device=device)
+    none = _NO_SLOTS.get(device)
+    if none is None:
+        none = _NO_SLOTS[device] = torch.empty(0, dtype=torch.int64, device=device)
+    return kv[0], kv[1], index, none
+
+
+def head_columns(qkv, start: int, count: int, D: int):
+    """qkv's columns of `count` heads from head `start` (a strided view: written in place)."""
+    if not isinstance(qkv, Tensor) or qkv.dim() != 2:
+        return None  # the native call names qkv
+    return qkv[:, start * D:(start + count) * D]
