@@ -6,7 +6,7 @@
 For trying a change to the kernel header behind a macro before it is made for good: each
 set names a build (`name=` and its definitions, comma-separated; the first set is the
 baseline), each case a configuration of bench.py (m3, sglang, shuffle, fp8, fp8t: per-token
-FP8, shuffleq: bf16 with the FP8 query output; m3j .. fp8j with GPT-J rotary), a TP and a
+FP8, shuffleq: bf16 with the FP8 query output; a trailing j: with GPT-J rotary), a TP and a
 token count, and optionally a launch (depth:tile:v_loop:lanes; default: the tuned one).
 Every build's launch of a case is checked against the reference (except a set named in
 --unchecked: an ablation, which drops work on purpose), then timed as bench.py times the

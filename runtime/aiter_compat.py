@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from .api import fused_qknorm_rope_cache
-from .engine_args import (FP8, SCRATCH, as_fp8, first, head_columns, index_cache_at, is_fp8, platform_fp8,
+from .engine_args import (FP8, SCRATCH, as_fp8, first_n, head_columns, index_cache_at, is_fp8, platform_fp8,
                           scale_or_identity, scratch_caches)
 from .validate import _aligned, _given, _rows, _tensor
 
@@ -62,13 +62,13 @@ def minimax_m3_qknorm_rope_cache_shuffle_insert(
     if skip_index_branch:
         index_q_norm_weight = index_k_norm_weight = index_slot_mapping = index_cache = index_q_out = None
     fused_qknorm_rope_cache(
-        qkv, first(positions, n), cos_sin_cache, first(slot_mapping, n),
+        qkv, first_n(positions, n), cos_sin_cache, first_n(slot_mapping, n),
         as_fp8("k_cache", k_cache, kv_cache_dtype), as_fp8("v_cache", v_cache, kv_cache_dtype),
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, num_heads=num_heads,
         num_kv_heads=num_kv_heads, rotary_dim=rotary_dim, contract="vllm_shuffle16", eps=eps,
         num_index_heads=num_index_heads, index_q_norm_weight=index_q_norm_weight,
         index_k_norm_weight=index_k_norm_weight, index_cache=index_cache_at(index_cache, "vllm_shuffle16"),
-        index_slot_mapping=first(index_slot_mapping, n), k_scale=scale_or_identity(k_scale, kv_cache_dtype, k_cache),
+        index_slot_mapping=first_n(index_slot_mapping, n), k_scale=scale_or_identity(k_scale, kv_cache_dtype, k_cache),
         v_scale=scale_or_identity(v_scale, kv_cache_dtype, k_cache), q_out=q_out, index_q_out=index_q_out,
         index_mode="skip" if skip_index_branch else "full")
 
@@ -176,7 +176,7 @@ def fused_qknorm_idxrqknorm(
                   rotary_dim=rotary_dim, eps=eps, num_index_heads=num_index_heads,
                   index_q_norm_weight=index_q_norm_weight, index_k_norm_weight=index_k_norm_weight,
                   index_mode=index_mode)
-    positions = first(positions, n)
+    positions = first_n(positions, n)
     if index_cache_dtype != "auto" and isinstance(index_q_out, Tensor) and index_q_out.dtype == torch.uint8:
         index_q_out = index_q_out.view(platform_fp8(index_q_out.device))
     if q_out is None:
@@ -247,12 +247,12 @@ def fused_qknorm_idxrqknorm(
                                         for s in (k_scale, v_scale))
                 scales = dict(k_scale_cache=k_scale, v_scale_cache=v_scale)
 
-    slot_mapping = first(slot_mapping, n)
+    slot_mapping = first_n(slot_mapping, n)
     aux = False  # index_q in the model dtype beside an FP8 index cache: a second launch
     if index_mode == "full":
         if index_slot_mapping is None:
             index_slot_mapping = slot_mapping
-        index_slot_mapping = first(index_slot_mapping, n)
+        index_slot_mapping = first_n(index_slot_mapping, n)
         if index_cache_dtype == "auto":
             if isinstance(index_cache, Tensor) and (index_cache.dtype in FP8 or index_cache.dtype == torch.uint8):
                 raise TypeError(f"index_cache: expected dtype {str(model).removeprefix('torch.')} (index_cache_dtype="

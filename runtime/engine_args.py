@@ -1,7 +1,8 @@
 """What the drop-ins share (runtime/aiter_compat.py, runtime/vllm_compat.py): the engines'
 arguments mapped onto the native call's rules (FP8 caches given as raw uint8, index vectors
-longer than the call, a missing FP8 scale, an index cache addressed flat), and the scratch
-caches a call without a KV cache runs on."""
+longer than the call, a missing FP8 scale, an index cache addressed flat), qkv's head
+columns as outputs written in place, and the scratch caches a call without a KV cache runs
+on."""
 from __future__ import annotations
 
 from typing import Optional
@@ -33,7 +34,7 @@ def as_fp8(name: str, t: Optional[Tensor], kv_cache_dtype: str) -> Optional[Tens
     return t
 
 
-def first(t, n: Optional[int]):
+def first_n(t, n: Optional[int]):
     """The engines read the first num_tokens entries of a longer index vector."""
     if n is not None and isinstance(t, Tensor) and t.dim() == 1 and t.shape[0] > n:
         return t[:n]
@@ -44,7 +45,8 @@ _ONES: dict = {}  # device -> fp32 [1] holding 1.0, the identity scale
 
 
 def scale_or_identity(t, kv_cache_dtype: str, cache):
-    """AITER: no scale with kv_cache_dtype 'auto'; a missing or empty one is the identity."""
+    """No scale with kv_cache_dtype 'auto'; a missing or empty one is the identity (AITER's
+    rule; vLLM's op passes none, at its unit scale)."""
     if kv_cache_dtype == "auto":
         return None
     if (t is None or (isinstance(t, Tensor) and t.numel() == 0)) and isinstance(cache, Tensor):
@@ -57,7 +59,7 @@ def scale_or_identity(t, kv_cache_dtype: str, cache):
 
 def index_cache_at(t, contract: str):
     """The index cache at a page size the contract allows: as given where its size(1) is one,
-    else (contiguous: AITER addresses it flat, row `slot` of [-1, D]) viewed as
+    else (contiguous: the engines address it flat, row `slot` of [-1, D]) viewed as
     [-1, P, D], P the contract's default page size or else the largest it allows that
     divides the rows. Anything else goes as given, for the native call to name."""
     cache = spec().contracts[contract].index

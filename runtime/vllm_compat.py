@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 
 from .api import fused_qknorm_rope_cache
-from .engine_args import (SCRATCH, as_fp8, first, head_columns, index_cache_at, is_fp8, scale_or_identity,
+from .engine_args import (SCRATCH, as_fp8, first_n, head_columns, index_cache_at, is_fp8, scale_or_identity,
                           scratch_caches)
 from .validate import _absent, _given
 
@@ -186,13 +186,13 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
             contract, kv_cache = _layout(kv_cache)
         else:
             contract = "vllm_m3"  # (not a tensor: the native call names it)
-        positions, slot_mapping = first(positions, n), first(slot_mapping, n)
-        index_slot_mapping = first(index_slot_mapping, n)
+        positions, slot_mapping = first_n(positions, n), first_n(slot_mapping, n)
+        index_slot_mapping = first_n(index_slot_mapping, n)
     else:
         # Nothing is inserted: the scratch contract's one-page caches that no slot addresses
         # (the index cache in the dtype of index_cache or else index_q_out), made once.
         contract = SCRATCH
-        positions = first(positions, n)
+        positions = first_n(positions, n)
         slot_mapping = index_slot_mapping = None
         if device is not None:
             like = index_cache if isinstance(index_cache, Tensor) else index_q_out
@@ -216,7 +216,8 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
         if qkv.shape[1] == row_heads * D:
             q_cols, k_out = head_columns(qkv, 0, nq, D), head_columns(qkv, nq, nkv, D)
             if mode == "full":
-                iq_cols, index_k_out = head_columns(qkv, nq + 2 * nkv, niq, D), head_columns(qkv, nq + 2 * nkv + niq, 1, D)
+                iq_cols = head_columns(qkv, nq + 2 * nkv, niq, D)
+                index_k_out = head_columns(qkv, nq + 2 * nkv + niq, 1, D)
     if q_out is None and q_fp8_out is None:
         q_out = q_cols
     if mode == "full" and index_q_out is None:

@@ -2,7 +2,8 @@
 bf16 and fp16 value, every exact rounding tie of both formats, the range's edges, NaN
 and random fp32 values, both flavours, saturating and passthrough: the software routine
 (the one every target without a native converter for a flavour runs: e4m3fnuz on NVIDIA,
-e4m3fn on gfx942) built for the host, and on the GPU the kernels' own path."""
+e4m3fn on gfx942) built for the host, and on the GPU the kernels' own path. And the
+per-token division (kvf::Divisor) built for the host against correctly rounded division."""
 import ctypes
 import shutil
 import subprocess
@@ -79,8 +80,8 @@ DIVIDE = Path(__file__).parent / "native" / "divide.cu"
 
 
 def _division_records() -> torch.Tensor:
-    """(amax, x) pairs: heads of every magnitude (scales down to subnormal, where the
-    kernel scales by 2^64 first, and up to FLT_MAX / 448), values anywhere up to the
+    """(amax, x) pairs: heads of every magnitude (scales under 2^-90, which the kernel
+    scales by 2^64 first, down to 0, and up to FLT_MAX / 448), values anywhere up to the
     amax, quotients next to fp32 rounding ties, and the specials (0, inf, NaN)."""
     gen = torch.Generator().manual_seed(1)
     n = 100_000
@@ -106,7 +107,7 @@ def _division_records() -> torch.Tensor:
 
 def test_the_per_token_division_is_the_ieee_division(tmp_path):
     """AITER's per-token FP8 divides each value by RN(amax / max); the kernel's Divisor
-    does it as a product and one fma correction (Markstein), its scale likewise: the
+    does it as a multiply and two fmas (Markstein's correction), its scale likewise: the
     scale equals the correctly rounded quotient always, a value's quotient wherever it is
     2^-13 or more, and its FP8 code everywhere (smaller quotients are 0 in FP8 either way)."""
     records = _division_records()

@@ -52,7 +52,10 @@ def test_gptj_pairs_never_leave_a_chunk_and_every_load_instruction_reads_whole_s
         if m.lanes == 1:
             continue
         slot = {c: i for pair in m.chunks for i, c in enumerate(pair)}
-        assert all(slot[2 * k] == slot[2 * k + 1] for k in range(d // VEC // 2)), (d, r, m.chunks)
+        lane = {c: l for l, pair in enumerate(m.chunks) for c in pair}
+        # a sector's two chunks: one slot, lanes 2j and 2j + 1 (so the same sub-lane at two per thread)
+        assert all(slot[2 * k] == slot[2 * k + 1] and lane[2 * k] % 2 == 0 and lane[2 * k + 1] == lane[2 * k] + 1
+                   for k in range(d // VEC // 2)), (d, r, m.chunks)
         k = -(-r // (2 * VEC))
         if k % 2 == 0:
             assert m.rotary_lanes[0] == k and m.chunks[:k] == tuple((i, i + k) for i in range(k)), (d, r)

@@ -33,14 +33,17 @@ KVF_DEVICE void pack_model(const float (&f)[kVec], uint32_t (&w)[4]) {
   for (int i = 0; i < 4; ++i) w[i] = M::from_float(f[2 * i]) | (M::from_float(f[2 * i + 1]) << 16);
 }
 
-// Division by a per-token scale s, correctly rounded (an IEEE division: AITER's per-token
-// quantization), without a division per value: q = f * r with r = 1 / s rounded, then one
-// fma correction, which Markstein's theorem makes exact wherever the residual f - q s is
-// (s >= 2^-90: no underflow for any quotient of 2^-13 or more, and smaller ones are 0 in
-// FP8 either way). An infinite s takes q = f * 0 corrected by nothing (sc = 0), which is
-// f / inf. A smaller s (a head of tiny values) and the values are first scaled by 2^64,
-// exactly: a branch of the whole head, not a multiply per value, as the kernel issues
-// instructions about two cycles in three (ncu, PERF.md s32). Made once per token and head.
+// Division by a per-token scale s as AITER's per-token quantization divides (IEEE), without
+// a division per value: q0 = f * r with r = 1 / s rounded, the residual q0 s - f by one
+// fma and the correction by another (a multiply and two fmas a value). Markstein's theorem
+// makes that the correctly rounded quotient wherever the residual is exact (s >= 2^-90:
+// every quotient of 2^-13 or more; smaller ones are 0 in FP8 either way, so the FP8 codes
+// equal IEEE division's). An infinite s takes q = f * 0 with no correction (sc = 0), which
+// is f / inf; a finite s must be at most 2^126 (dynamic's are at most FLT_MAX / 240). A
+// smaller s (a head of tiny values) and the values are first scaled by 2^64, exactly: a
+// branch of the whole head, not a multiply per value, as the kernel issues instructions
+// about two cycles in three (ncu, PERF.md s32). Made once per token and head. Not yet:
+// f = +-inf with a finite s (an fp16 K whose rounding overflowed) gives NaN, not +-inf.
 struct Divisor {
   float s;          // the scale
   float m, r, sc;   // the values' factor (1 or 2^64), 1 / (s m) rounded, s m (0 for an infinite s)
@@ -48,7 +51,7 @@ struct Divisor {
     m = s < 0x1p-90f ? 0x1p64f : 1.0f;
     const float sm = s * m;
     r = 1.0f / sm;
-    sc = sm <= 0x1p126f ? sm : 0.0f;  // s is at most FLT_MAX / 448 unless infinite
+    sc = sm <= 0x1p126f ? sm : 0.0f;  // 0 only for an infinite s (see above)
   }
   template <int N>
   KVF_HOST_DEVICE void divide(float (&q)[N]) const {
