@@ -23,9 +23,9 @@ from typing import Optional
 import torch
 
 from .api import fused_qknorm_rope_cache
-from .engine_args import (FP8, SCRATCH, as_fp8, first_n, head_columns, index_cache_at, is_fp8, platform_fp8,
+from .engine_args import (FP8, SCRATCH, as_fp8, first_n, head_columns, index_cache_at, is_fp8, one_of, platform_fp8,
                           scale_or_identity, scratch_caches)
-from .validate import _aligned, _given, _rows, _tensor
+from .validate import _aligned, _dt, _given, _rows, _tensor
 
 Tensor = torch.Tensor
 def minimax_m3_qknorm_rope_cache_shuffle_insert(
@@ -87,14 +87,21 @@ def _positive(name: str, val, what: str) -> int:
     return val
 
 
+def _not_fp8(name: str, cache, model: torch.dtype, dtype_arg: str) -> None:
+    """A cache that `dtype_arg`='auto' says is in qkv's dtype, given as FP8 (or its uint8 storage)."""
+    if isinstance(cache, Tensor) and (cache.dtype in FP8 or cache.dtype == torch.uint8):
+        raise TypeError(f"{name}: expected dtype {_dt(model)} ({dtype_arg}='auto': the dtype of qkv), "
+                        f"got {_dt(cache.dtype)}")
+
+
 def _model_index_q_out(t: Tensor, qkv: Tensor, index_cache: Tensor, niq: int, D: int) -> None:
     """index_q_out in the model dtype beside an FP8 index cache, the one argument of the second
     launch the first does not validate: checked as validation would, before either launches."""
     _tensor("index_q_out", t, device=qkv.device)
     if t.dtype != qkv.dtype:
-        raise TypeError(f"index_q_out: expected dtype {str(qkv.dtype).removeprefix('torch.')} (the dtype of qkv) or "
-                        f"{str(index_cache.dtype).removeprefix('torch.')} (the dtype of index_cache), got "
-                        f"{str(t.dtype).removeprefix('torch.')}")
+        raise TypeError(f"index_q_out: expected dtype {_dt(qkv.dtype)} (the dtype of qkv) or "
+                        f"{_dt(index_cache.dtype)} (the dtype of index_cache), got "
+                        f"{_dt(t.dtype)}")
     T = qkv.shape[0]
     if t.shape not in ((T, niq, D), (T, niq * D)):
         raise ValueError(f"index_q_out: expected shape ({T}, {niq}, {D}) or ({T}, {niq * D}), got {tuple(t.shape)}")
@@ -147,12 +154,7 @@ def fused_qknorm_idxrqknorm(
     skip_index_branch: the rows still hold the index heads; nothing index-related is read
     or written, and the index arguments are ignored. Returns None.
     """
-    if not isinstance(kv_cache_dtype, str):
-        raise TypeError(f"kv_cache_dtype: expected one of {', '.join(map(repr, _KV_CACHE_DTYPES))} (a str), "
-                        f"got {_given(kv_cache_dtype)}")
-    if kv_cache_dtype not in _KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: expected one of {', '.join(map(repr, _KV_CACHE_DTYPES))}, "
-                         f"got {kv_cache_dtype!r}")
+    one_of("kv_cache_dtype", kv_cache_dtype, _KV_CACHE_DTYPES)
     if index_cache_dtype is None:
         index_cache_dtype = "fp8" if is_fp8(index_cache) or is_fp8(index_q_out) else "auto"
     elif not isinstance(index_cache_dtype, str) or not (index_cache_dtype == "auto"
@@ -219,9 +221,7 @@ def fused_qknorm_idxrqknorm(
     scales: dict = {}
     if kv_cache_dtype == "auto":
         for name, cache in (("kv_cache_k", kv_cache_k), ("kv_cache_v", kv_cache_v)):
-            if isinstance(cache, Tensor) and (cache.dtype in FP8 or cache.dtype == torch.uint8):
-                raise TypeError(f"{name}: expected dtype {str(model).removeprefix('torch.')} (kv_cache_dtype='auto': "
-                                f"the dtype of qkv), got {str(cache.dtype).removeprefix('torch.')}")
+            _not_fp8(name, cache, model, "kv_cache_dtype")
     else:
         kv_cache_k = as_fp8("kv_cache_k", kv_cache_k, kv_cache_dtype)
         kv_cache_v = as_fp8("kv_cache_v", kv_cache_v, kv_cache_dtype)
@@ -254,9 +254,7 @@ def fused_qknorm_idxrqknorm(
             index_slot_mapping = slot_mapping
         index_slot_mapping = first_n(index_slot_mapping, n)
         if index_cache_dtype == "auto":
-            if isinstance(index_cache, Tensor) and (index_cache.dtype in FP8 or index_cache.dtype == torch.uint8):
-                raise TypeError(f"index_cache: expected dtype {str(model).removeprefix('torch.')} (index_cache_dtype="
-                                f"'auto': the dtype of qkv), got {str(index_cache.dtype).removeprefix('torch.')}")
+            _not_fp8("index_cache", index_cache, model, "index_cache_dtype")
         else:
             index_cache = as_fp8("index_cache", index_cache, index_cache_dtype)
             aux = is_fp8(index_cache) and isinstance(index_q_out, Tensor) and not is_fp8(index_q_out)

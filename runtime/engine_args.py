@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from .registry import spec
+from .validate import _dt, _given
 
 Tensor = torch.Tensor
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -30,8 +31,17 @@ def as_fp8(name: str, t: Optional[Tensor], kv_cache_dtype: str) -> Optional[Tens
         return t.view(platform_fp8(t.device))
     if t.dtype not in FP8:
         raise TypeError(f"{name}: expected dtype float8_e4m3fn, float8_e4m3fnuz or uint8 (kv_cache_dtype="
-                        f"{kv_cache_dtype!r}), got {str(t.dtype).removeprefix('torch.')}")
+                        f"{kv_cache_dtype!r}), got {_dt(t.dtype)}")
     return t
+
+
+def one_of(name: str, value, choices: tuple[str, ...]) -> str:
+    """A string argument that must be one of an engine's names (kv_cache_dtype)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected one of {', '.join(map(repr, choices))} (a str), got {_given(value)}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
 
 
 def first_n(t, n: Optional[int]):

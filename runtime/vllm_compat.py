@@ -45,9 +45,9 @@ from typing import Optional
 import torch
 
 from .api import fused_qknorm_rope_cache
-from .engine_args import (SCRATCH, as_fp8, first_n, head_columns, index_cache_at, is_fp8, scale_or_identity,
-                          scratch_caches)
-from .validate import _absent, _given
+from .engine_args import (SCRATCH, as_fp8, first_n, head_columns, index_cache_at, is_fp8, one_of,
+                          scale_or_identity, scratch_caches)
+from .validate import _absent, _dt, _given
 
 Tensor = torch.Tensor
 
@@ -87,7 +87,7 @@ def _layout(kv_cache: Tensor) -> tuple[str, Tensor]:
     return "vllm_m3", kv_cache
 
 
-def _rows(out, num_tokens: Optional[int], heads, head_dim: Optional[int]):
+def _as_rows(out, num_tokens: Optional[int], heads, head_dim: Optional[int]):
     """vLLM takes any contiguous output of num_tokens * heads * head_dim elements: read one of
     another shape as [num_tokens, heads * head_dim]. Anything else is passed on as given."""
     if not isinstance(out, Tensor) or num_tokens is None or not head_dim or not isinstance(heads, int):
@@ -127,12 +127,7 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
 ) -> None:
     """vLLM's op on kvforge: qkv normed and rotated in place, the caches written where given
     (the module's docstring says what goes where). Returns None."""
-    if not isinstance(kv_cache_dtype, str):
-        raise TypeError(f"kv_cache_dtype: expected one of {', '.join(map(repr, _KV_CACHE_DTYPES))} (a str), "
-                        f"got {_given(kv_cache_dtype)}")
-    if kv_cache_dtype not in _KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: expected one of {', '.join(map(repr, _KV_CACHE_DTYPES))}, "
-                         f"got {kv_cache_dtype!r}")
+    one_of("kv_cache_dtype", kv_cache_dtype, _KV_CACHE_DTYPES)
     if not isinstance(skip_index_branch, bool):
         raise TypeError(f"skip_index_branch: expected a bool, got {_given(skip_index_branch)}")
 
@@ -179,8 +174,8 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
                 raise ValueError("kv_cache_dtype: expected 'auto', 'fp8' or 'fp8_e4m3' (an e5m2 cache is not "
                                  "supported), got 'fp8_e5m2'")
             if kv_cache_dtype == "auto" and isinstance(qkv, Tensor) and kv_cache.dtype != qkv.dtype:
-                raise TypeError(f"kv_cache: expected dtype {str(qkv.dtype).removeprefix('torch.')} (the dtype "
-                                f"of qkv, kv_cache_dtype='auto'), got {str(kv_cache.dtype).removeprefix('torch.')}")
+                raise TypeError(f"kv_cache: expected dtype {_dt(qkv.dtype)} (the dtype "
+                                f"of qkv, kv_cache_dtype='auto'), got {_dt(kv_cache.dtype)}")
             kv_cache = as_fp8("kv_cache", kv_cache, kv_cache_dtype)
             k_scale = v_scale = scale_or_identity(None, kv_cache_dtype, kv_cache)  # vLLM's unit scale
             contract, kv_cache = _layout(kv_cache)
@@ -204,7 +199,7 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
         index_cache = index_cache_at(index_cache, contract)  # vLLM addresses it flat: any page size
 
     if mode == "full" and index_q_out is None and is_fp8(index_cache):
-        raise ValueError(f"index_q_out: expected a {str(index_cache.dtype).removeprefix('torch.')} tensor "
+        raise ValueError(f"index_q_out: expected a {_dt(index_cache.dtype)} tensor "
                          f"(index_cache is FP8: index_q is not written into qkv's columns), got None")
 
     # The outputs that are qkv's own columns: where its rows hold what the counts say (else
@@ -233,6 +228,6 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
         num_index_heads=num_index_heads, index_q_norm_weight=index_q_norm_weight,
         index_k_norm_weight=index_k_norm_weight, index_cache=index_cache,
         index_slot_mapping=index_slot_mapping, k_scale=k_scale, v_scale=v_scale,
-        q_out=_rows(q_out, n, num_heads, D), q_fp8_out=_rows(q_fp8_out, n, num_heads, D),
-        q_fp8_scale=scale, k_out=k_out, index_q_out=_rows(index_q_out, n, num_index_heads, D),
+        q_out=_as_rows(q_out, n, num_heads, D), q_fp8_out=_as_rows(q_fp8_out, n, num_heads, D),
+        q_fp8_scale=scale, k_out=k_out, index_q_out=_as_rows(index_q_out, n, num_index_heads, D),
         index_k_out=index_k_out, index_mode=mode)
