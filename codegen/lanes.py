@@ -11,13 +11,14 @@ style's to say:
 - NeoX otherwise (e.g. rotary dim 36): adjacent chunks, partners exchanged between
   lanes by shuffles (`exchange`), one lane per thread.
 - GPT-J: pairs are adjacent dims, inside every chunk, so no lane needs another's. As
-  NeoX's: the k = ceil(rotary chunks / 2) first lanes hold chunks i and i + k (each
-  chunk's 4 cos and 4 sin values loaded on their own), the pass-through chunks split in
-  two halves, so only those lanes rotate and wait for cos/sin. Where k is odd its runs
-  of k chunks would split sectors between load instructions, so lane l holds chunks l
-  and l + lanes instead (every lane rotates: FP8 variants spilled 264 bytes at one lane,
-  PERF.md s32). Adjacent chunks in a rotary lane (its cos/sin one run of 8, as NeoX's)
-  read half sectors per instruction: 20% slower (PERF.md s30).
+  NeoX's: the k first lanes hold chunks i and i + k (each chunk's 4 cos and 4 sin values
+  loaded on their own), the pass-through chunks split in two halves, so only those lanes
+  rotate and wait for cos/sin. k is ceil(rotary chunks / 2) rounded up to even: runs of
+  an odd count of chunks would split sectors between load instructions (a rotary lane
+  may then hold a pass-through chunk). A head too short for that (head_dim 16) has lane
+  l hold chunks l and l + lanes (every lane rotates: FP8 variants spilled 264 bytes at
+  one lane, PERF.md s32). Adjacent chunks in a rotary lane (its cos/sin one run of 8, as
+  NeoX's) read half sectors per instruction: 20% slower (PERF.md s30).
 
 This module is the only statement of the map: the reference sums squares in `dims`'
 order, and render.py emits `chunk` and `rotary_lanes` into each variant's traits
@@ -118,7 +119,8 @@ def lane_map(head_dim: int, rotary_dim: int, rope: Rope) -> LaneMap:
     chunks, half, lanes = head_dim // VEC, rotary_dim // 2, head_dim // (2 * VEC)
     if rope is Rope.GPTJ:
         k = -(-rotary_dim // (2 * VEC))  # ceil(rotary chunks / 2)
-        if k % 2:
+        k += k % 2  # even, so each run of k chunks is whole sectors
+        if 2 * k > chunks:
             return LaneMap(head_dim, rotary_dim, rope, tuple((l, l + lanes) for l in range(lanes)), False)
         return LaneMap(head_dim, rotary_dim, rope, _split(chunks, k), False)
     if half % VEC:

@@ -98,8 +98,10 @@ def _division_records() -> torch.Tensor:
     ties = [tie.float(), tie.float().nextafter(torch.tensor(0.0)), tie.float().nextafter(torch.tensor(1e38))]
     edge = torch.tensor([2.0 ** -100, 448 * 2.0 ** -90, 240 * 2.0 ** -90, 1e-45, 3.4028234663852886e38])
     edge = torch.cat([edge, edge.nextafter(torch.tensor(0.0)), edge.nextafter(torch.tensor(float("inf")))])
-    special_a = torch.tensor([0.0, float("inf"), float("inf"), float("nan"), 1.0, 1.0])
-    special_x = torch.tensor([0.0, 1.0, float("inf"), 1.0, float("nan"), -0.0])
+    # an fp16 K rounded to +-inf (from 65520) beside its head's finite fp32 amax
+    inf = float("inf")
+    special_a = torch.tensor([0.0, inf, inf, float("nan"), 1.0, 1.0, 65520.0, 65536.0, 1e6, 3e38, 3e38, 0.0])
+    special_x = torch.tensor([0.0, 1.0, inf, 1.0, float("nan"), -0.0, inf, -inf, inf, -inf, 1.0, -0.0])
     a = torch.cat([amax, amax, amax, amax, edge, edge, special_a])
     b = torch.cat([x, *ties, edge, -edge / 3, special_x])
     return torch.stack([a, b], dim=1).contiguous()

@@ -44,8 +44,9 @@ def test_neox_with_aligned_halves_gives_a_rotary_lane_its_partner(d, r):
 def test_gptj_pairs_never_leave_a_chunk_and_every_load_instruction_reads_whole_sectors():
     """GPT-J's pairs (2i, 2i + 1) sit in one chunk at every even rotary dim, so no map
     needs an exchange; each chunk slot of a head covers whole 32-byte sectors of a bf16
-    row (chunks 2m and 2m + 1 in the same slot); and where that allows it, only the first
-    lanes rotate, as NeoX's (the others hold pass-through chunks in both slots)."""
+    row (chunks 2m and 2m + 1 in the same slot); and where the head is long enough for
+    an even k >= rotary chunks / 2, only its first k lanes rotate, as NeoX's (the others
+    hold pass-through chunks in both slots)."""
     for d, r in SHAPES:
         m = lane_map(d, r, Rope.GPTJ)
         assert not m.exchange
@@ -56,9 +57,12 @@ def test_gptj_pairs_never_leave_a_chunk_and_every_load_instruction_reads_whole_s
         # a sector's two chunks: one slot, lanes 2j and 2j + 1 (so the same sub-lane at two per thread)
         assert all(slot[2 * k] == slot[2 * k + 1] and lane[2 * k] % 2 == 0 and lane[2 * k + 1] == lane[2 * k] + 1
                    for k in range(d // VEC // 2)), (d, r, m.chunks)
-        k = -(-r // (2 * VEC))
-        if k % 2 == 0:
-            assert m.rotary_lanes[0] == k and m.chunks[:k] == tuple((i, i + k) for i in range(k)), (d, r)
+        rotary_chunks = -(-r // VEC)
+        k = -(-rotary_chunks // 2)
+        k += k % 2
+        if 2 * k <= d // VEC:
+            assert m.chunks[:k] == tuple((i, i + k) for i in range(k)), (d, r)
+            assert m.rotary_lanes[0] == min(k, rotary_chunks), (d, r)
         else:
             assert m.chunks == tuple((l, l + m.lanes) for l in range(m.lanes)), (d, r)
 

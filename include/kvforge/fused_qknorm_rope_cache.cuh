@@ -715,7 +715,7 @@ struct Fused {
       }
     }
     if constexpr (kWholeHead) {
-      KvFactor k(1.0f);  // K's; no other role's store reads it
+      KvFactor k = KvQuant::dynamic(0.0f);  // K's (a placeholder elsewhere: no other role's store reads it)
       if (kind == kK && m.pos >= 0 && slot_ok<typename VT::K>(a.k_cache, m.slot))
         k = token_scale<typename VT::KScale, kSub>(a.k_scale_cache, m.slot, head, lane, f);
 #pragma unroll
@@ -732,7 +732,7 @@ struct Fused {
                                          const float (&y)[kSub][2][kVec]) {
     float amax[kSub];
 #pragma unroll
-    for (int s = 0; s < kSub; ++s) amax[s] = abs_max<2 * kVec>(&y[s][0][0]);
+    for (int s = 0; s < kSub; ++s) amax[s] = fmaxf(abs_max<kVec>(y[s][0]), abs_max<kVec>(y[s][1]));
     const KvFactor k = KvQuant::dynamic(HeadGroup<kSub, LN<kSub>>{}.max(amax));
     if (lane == 0) put_scale<C>(c, slot, h, k.s);
     return k;

@@ -38,29 +38,35 @@ KVF_DEVICE void pack_model(const float (&f)[kVec], uint32_t (&w)[4]) {
 // fma and the correction by another (a multiply and two fmas a value). Markstein's theorem
 // makes that the correctly rounded quotient wherever the residual is exact (s >= 2^-90:
 // every quotient of 2^-13 or more; smaller ones are 0 in FP8 either way, so the FP8 codes
-// equal IEEE division's). An infinite s takes q = f * 0 with no correction (sc = 0), which
-// is f / inf; a finite s must be at most 2^126 (dynamic's are at most FLT_MAX / 240). A
-// smaller s (a head of tiny values) and the values are first scaled by 2^64, exactly: a
-// branch of the whole head, not a multiply per value, as the kernel issues instructions
-// about two cycles in three (ncu, PERF.md s32). Made once per token and head. Not yet:
-// f = +-inf with a finite s (an fp16 K whose rounding overflowed) gives NaN, not +-inf.
+// equal IEEE division's). That fast path takes a whole head whose s lies in [2^-90, big),
+// where big (the quantization's) keeps every value finite: an fp16 K rounded past 65504
+// to +-inf would make the residual NaN. A head outside it (tiny values, a huge or infinite
+// s) takes the careful path: values scaled by m = 2^64 first (exactly) where s < 2^-90,
+// and a quotient f * r, uncorrected, where f or s is infinite or s is 0 (f / inf, inf / s,
+// f / 0). A branch of the whole head, not a select per value, as the kernel issues
+// instructions about two cycles in three (ncu, PERF.md s32). Made once per token and head.
 struct Divisor {
   float s;          // the scale
   float m, r, sc;   // the values' factor (1 or 2^64), 1 / (s m) rounded, s m (0 for an infinite s)
-  KVF_HOST_DEVICE explicit Divisor(float scale) : s(scale) {
-    m = s < 0x1p-90f ? 0x1p64f : 1.0f;
+  bool fast;        // the head's quotients take the fast path
+  static KVF_HOST_DEVICE float factor(float s) { return s < 0x1p-90f ? 0x1p64f : 1.0f; }
+  KVF_HOST_DEVICE Divisor(float scale, float big)
+      : s(scale), m(factor(scale)), r(1.0f / (scale * factor(scale))) {
     const float sm = s * m;
-    r = 1.0f / sm;
-    sc = sm <= 0x1p126f ? sm : 0.0f;  // 0 only for an infinite s (see above)
+    sc = sm <= 0x1p126f ? sm : 0.0f;  // 0 only for an infinite s
+    fast = m == 1.0f && s < big;
   }
   template <int N>
   KVF_HOST_DEVICE void divide(float (&q)[N]) const {
-    if (m == 1.0f) {
+    if (fast) {
 #pragma unroll
       for (int j = 0; j < N; ++j) q[j] = quotient(q[j]);
-    } else {  // a scale of 0 (a subnormal amax) takes f * inf, uncorrected: f / 0
+    } else {
 #pragma unroll
-      for (int j = 0; j < N; ++j) q[j] = sc > 0.0f ? quotient(q[j] * m) : q[j] * r;
+      for (int j = 0; j < N; ++j) {
+        const float x = q[j] * m;
+        q[j] = sc > 0.0f && fabsf(x) <= 0x1.fffffep127f ? quotient(x) : x * r;
+      }
     }
   }
   // The residual taken as q0 s - x, so a zero quotient keeps x's sign (-0 / s is -0).
@@ -342,13 +348,16 @@ struct AsFp8 {
   // which its values are divided by: AITER's fused_qknorm_idxrqknorm, bit for bit (amax /
   // the format's max, 1 for an all-zero head). The quotient by Markstein's correction with
   // the constant 1 / max (exact for a normal amax of 2^-100 or more; else divided).
+  // kBig: the scale of an amax of 65504, fp16's largest, past which a value rounded to
+  // fp16 may be infinite (Divisor's careful path; bf16 heads that large take it too).
+  static constexpr float kBig = 65504.0f / Fp8Format<F>::kMax;
   static KVF_HOST_DEVICE Divisor dynamic(float amax) {
     constexpr float kMax = Fp8Format<F>::kMax, kInv = 1.0f / kMax;
     if (amax >= 0x1p-100f && amax <= 0x1.fffffep127f) {
       const float q = amax * kInv;
-      return Divisor(fmaf(fmaf(-q, kMax, amax), kInv, q));
+      return Divisor(fmaf(fmaf(-q, kMax, amax), kInv, q), kBig);
     }
-    return Divisor(amax > 0.0f ? amax / kMax : 1.0f);
+    return Divisor(amax > 0.0f ? amax / kMax : 1.0f, kBig);
   }
   template <bool kFromRounded>
   static KVF_DEVICE void pack(const float (&y)[kVec], const uint32_t (&bits)[4], const Factor& k,
