@@ -5,6 +5,7 @@ columns as outputs written in place, and the scratch caches a call without a KV 
 on."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -51,7 +52,9 @@ def first_n(t, n: Optional[int]):
     return t
 
 
-_ONES: dict = {}  # device -> fp32 [1] holding 1.0, the identity scale
+@functools.cache
+def _identity(device: torch.device) -> Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)  # fp32 [1]: the identity scale
 
 
 def scale_or_identity(t, kv_cache_dtype: str, cache):
@@ -60,10 +63,7 @@ def scale_or_identity(t, kv_cache_dtype: str, cache):
     if kv_cache_dtype == "auto":
         return None
     if (t is None or (isinstance(t, Tensor) and t.numel() == 0)) and isinstance(cache, Tensor):
-        ones = _ONES.get(cache.device)
-        if ones is None:
-            ones = _ONES[cache.device] = torch.ones(1, dtype=torch.float32, device=cache.device)
-        return ones
+        return _identity(cache.device)
     return t
 
 
@@ -89,32 +89,35 @@ def index_cache_at(t, contract: str):
 # second launch (a model-dtype index_q_out beside an FP8 index cache) run the native op on
 # SHUFFLE caches that no slot addresses: the seed contract, whose variants are prebuilt.
 SCRATCH = "vllm_shuffle16"
-_DUMMIES: dict = {}  # (device, dtype, nkv, head_dim) -> (K, V, index) caches no call writes
-_NO_SLOTS: dict = {}  # device -> an empty int64 slot mapping
 
 
 def is_fp8(t) -> bool:
     return isinstance(t, Tensor) and t.dtype in FP8
 
 
+@functools.cache
+def _scratch_kv(device: torch.device, dtype: torch.dtype, nkv: int, D: int) -> tuple[Tensor, Tensor]:
+    x = 16 // dtype.itemsize
+    return (torch.zeros(1, nkv, D // x, 16, x, dtype=dtype, device=device),
+            torch.zeros(1, nkv, 16 // x, D, x, dtype=dtype, device=device))
+
+
+@functools.cache
+def _scratch_index(device: torch.device, dtype: torch.dtype, D: int) -> Tensor:
+    return torch.zeros(1, spec().contracts[SCRATCH].index.page_size, D, dtype=dtype, device=device)
+
+
+@functools.cache
+def _no_slots(device: torch.device) -> Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
+
+
 def scratch_caches(device: torch.device, dtype: torch.dtype, index_dtype: torch.dtype, nkv: int, D: int):
     """One page of K and V (model dtype) and of the index cache (index_dtype) in SCRATCH's
-    layout, and an empty slot mapping: a call with them writes no cache."""
-    x = 16 // torch.empty((), dtype=dtype).element_size()
-    key = (device, dtype, nkv, D)
-    kv = _DUMMIES.get(key)
-    if kv is None:
-        kv = _DUMMIES[key] = (torch.zeros(1, nkv, D // x, 16, x, dtype=dtype, device=device),
-                              torch.zeros(1, nkv, 16 // x, D, x, dtype=dtype, device=device))
-    ikey = (device, index_dtype, D)
-    index = _DUMMIES.get(ikey)
-    if index is None:
-        page = spec().contracts[SCRATCH].index.page_size
-        index = _DUMMIES[ikey] = torch.zeros(1, page, D, dtype=index_dtype, device=device)
-    none = _NO_SLOTS.get(device)
-    if none is None:
-        none = _NO_SLOTS[device] = torch.empty(0, dtype=torch.int64, device=device)
-    return kv[0], kv[1], index, none
+    layout, and an empty slot mapping: a call with them writes no cache (each made once per
+    device and shape)."""
+    k, v = _scratch_kv(device, dtype, nkv, D)
+    return k, v, _scratch_index(device, index_dtype, D), _no_slots(device)
 
 
 def head_columns(qkv, start: int, count: int, D: int):

@@ -39,6 +39,7 @@ else is validated by `fused_qknorm_rope_cache`, by the same names.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -52,20 +53,18 @@ from .validate import _absent, _dt, _given
 Tensor = torch.Tensor
 
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's get_fp8_kv_cache_data_type
-_Q_SCALES: dict = {}  # (device, value) -> fp32 [1] holding q_fp8_scale
-
-
 def _q_scale(value, device: torch.device) -> Tensor:
     """vLLM's float q_fp8_scale as the device scalar the kernel reads (one per value)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"q_fp8_scale: expected a finite positive float, got {_given(value)}")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"q_fp8_scale: expected a finite positive float, got {value!r}")
-    key = (device, float(value))
-    t = _Q_SCALES.get(key)
-    if t is None:
-        t = _Q_SCALES[key] = torch.full((1,), float(value), dtype=torch.float32, device=device)
-    return t
+    return _scale_tensor(device, float(value))
+
+
+@functools.cache
+def _scale_tensor(device: torch.device, value: float) -> Tensor:
+    return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
 def _heads_after_block(t: Tensor) -> bool:
