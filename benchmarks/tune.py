@@ -2,11 +2,12 @@
 lanes per thread) per variant and token range on this GPU.
 
     python benchmarks/tune.py [--name h200] [--tokens 1,16,128,512,1024,2048,4096,8192,32768,65536]
-                              [--all] [--resume] [--budget-s S] [--confirm-within 0.05]
-                              [--out DIR] [--results DIR]
+                              [--all] [--filter GLOB] [--exclude GLOB] [--resume] [--budget-s S]
+                              [--confirm-within 0.05] [--out DIR] [--results DIR]
 
 For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
-variant in variants.yaml) and token count, every depth a library holds
+variant in variants.yaml; --filter / --exclude: of those, the ones whose name matches, as
+`python -m kvforge.codegen --filter` selects) and token count, every depth a library holds
 (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
 KVF_MAX_TOKENS_PER_TILE) and every count of head lanes per thread the variant has
 (codegen/lanes.py: LaneMap.max_sub), and for a transposed V (SHUFFLE) with V in the
@@ -32,6 +33,11 @@ and pattern); with --out DIR both go to DIR unless --results names another. Noth
 tuned at run time. Counts that fit one pass of the grid (every thread one token) run at
 depth 1 whatever the depth, so there the depths time the same kernel and the 2% rule
 keeps the default.
+
+A run with --filter or --exclude re-tunes those variants within the table it finds at
+<name>.json (same device and ABI; refused otherwise): the others keep their choices and
+timings, and the table lists the run under "retuned" (its command, date, torch and
+variants) beside the first run's provenance.
 
 Each count's times go to <name>.json.partial as it is measured; --resume takes what it
 finds there for variants whose build is unchanged (same command, device, torch, ABI and
@@ -63,7 +69,7 @@ from benchmarks.bench import CONFIGS, DECODE_UP_TO, TP, find_variant, graph_us, 
 from benchmarks.report import RESULTS  # noqa: E402
 from kvforge.codegen.lanes import lane_map_of  # noqa: E402
 from kvforge.codegen.layout import v_transposed  # noqa: E402
-from kvforge.codegen.model import IndexMode  # noqa: E402
+from kvforge.codegen.model import IndexMode, select  # noqa: E402
 from kvforge.codegen.paths import TUNED  # noqa: E402
 from kvforge.runtime import build, toolchain  # noqa: E402
 from kvforge.runtime.abi import (LAUNCH_ABI, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT,  # noqa: E402
@@ -210,14 +216,15 @@ def ranges(choices: list[tuple[int, Launch]]) -> list[list]:
 
 # What the runtime's table holds (runtime/tuning.py reads device, abi and choices; the rest
 # is provenance), and what the timings file's header line holds.
-TABLE_KEYS = ("device", "abi", "command", "date", "torch", "timings", "choices")
-TIMINGS_KEYS = ("device", "abi", "command", "date", "torch", "tuner", "builds")
+# "retuned" only where runs with --filter re-tuned some variants since.
+TABLE_KEYS = ("device", "abi", "command", "date", "torch", "retuned", "timings", "choices")
+TIMINGS_KEYS = ("device", "abi", "command", "date", "torch", "retuned", "tuner", "builds")
 
 
 def table_text(table: dict) -> str:
     """tuning/<name>.json: TABLE_KEYS of the tuner's state, one per line, each variant's
     ranges on one line."""
-    lines = [f" {json.dumps(k)}: {json.dumps(table[k])}," for k in TABLE_KEYS if k != "choices"]
+    lines = [f" {json.dumps(k)}: {json.dumps(table[k])}," for k in TABLE_KEYS if k != "choices" and k in table]
     choices = [f"  {json.dumps(uri)}: {json.dumps(r)}" for uri, r in sorted(table["choices"].items())]
     body = ' "choices": ' + ("{\n" + ",\n".join(choices) + "\n }" if choices else "{}")
     return "{\n" + "\n".join(lines) + "\n" + body + "\n}\n"
@@ -226,7 +233,7 @@ def table_text(table: dict) -> str:
 def timings_text(table: dict) -> str:
     """benchmarks/results/<name>_tune.jsonl: a header line (TIMINGS_KEYS), then one line per
     variant, token count and pattern with the µs of every launch timed there."""
-    lines = [json.dumps({k: table[k] for k in TIMINGS_KEYS}, sort_keys=True)]
+    lines = [json.dumps({k: table[k] for k in TIMINGS_KEYS if k in table}, sort_keys=True)]
     for uri, counts in sorted(table["measured_us"].items()):
         for t in sorted(counts, key=int):
             for pattern, us in sorted(counts[t].items()):
@@ -245,6 +252,19 @@ def read_timings(text: str) -> dict:
     return dict(header, measured_us=measured)
 
 
+def retuned(old: dict, run: dict) -> dict:
+    """The table `old` (with its timings gathered back: read_timings) with the variants a
+    run over some of them (`run`) tuned replaced by that run's choices and timings, the run
+    recorded under "retuned"."""
+    out = dict(old, tuner=run["tuner"])
+    out["retuned"] = [*old.get("retuned", ()),
+                      {"command": run["command"], "date": run["date"], "torch": run["torch"],
+                       "variants": sorted(run["choices"])}]
+    for key in ("choices", "builds", "measured_us"):
+        out[key] = {**old.get(key, {}), **run[key]}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="h200", help="writes tuning/<name>.json")
@@ -255,6 +275,10 @@ def main() -> int:
     # for prefills (between 128 and 1024 tokens for FP8 at four kv heads, 4096 at one).
     ap.add_argument("--tokens", default="1,16,128,512,1024,2048,4096,8192,32768,65536")
     ap.add_argument("--all", action="store_true", help="every listed variant, not only the benchmark's")
+    ap.add_argument("--filter", action="append", default=[], metavar="GLOB",
+                    help="only the variants whose name matches (repeatable); re-tunes them within <name>.json")
+    ap.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                    help="not the variants whose name matches (repeatable); as --filter, re-tunes the rest")
     ap.add_argument("--resume", action="store_true", help="take the counts <name>.json.partial holds")
     # A launch's time moved 3-4% between one timing and the next in session 22 (PERF.md),
     # enough to pass the 2% rule: those that could win by that much are timed twice.
@@ -270,6 +294,10 @@ def main() -> int:
     else:
         variants = sorted({find_variant(axes, nkv) for axes in CONFIGS.values() for nkv in (1, 4)},
                           key=lambda v: v.uri)
+    if args.filter or args.exclude:
+        variants = select(variants, args.filter, args.exclude)
+        if not variants:
+            ap.error("--filter/--exclude: no variant left to tune")
     tokens = sorted(map(int, args.tokens.split(",")))
     if len(set(tokens)) != len(tokens) or tokens[0] < 1:
         ap.error(f"--tokens: expected distinct positive counts, got {args.tokens}")
@@ -281,7 +309,9 @@ def main() -> int:
     table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "abi": LAUNCH_ABI,
              "tuner": TUNER_FORMAT,
              "command": f"python benchmarks/tune.py --name {args.name} --tokens {args.tokens}"
-                        + f" --confirm-within {args.confirm_within:g}" + (" --all" if args.all else ""),
+                        + f" --confirm-within {args.confirm_within:g}" + (" --all" if args.all else "")
+                        + "".join(f" --filter '{g}'" for g in args.filter)
+                        + "".join(f" --exclude '{g}'" for g in args.exclude),
              "date": time.strftime("%Y-%m-%d", time.gmtime()),
              "timings": f"benchmarks/results/{args.name}_tune.jsonl",
              "builds": {job.uri: build.cache_key(job.source, tc) for job in jobs},
@@ -291,6 +321,16 @@ def main() -> int:
     results = Path(args.results) if args.results else RESULTS if out.resolve() == TUNED.resolve() else out
     results.mkdir(parents=True, exist_ok=True)
     partial = out / f"{args.name}.json.partial"
+    base = None  # the table a run with --filter re-tunes within, its timings gathered back
+    if args.filter or args.exclude:
+        if (out / f"{args.name}.json").exists():
+            base = json.loads((out / f"{args.name}.json").read_text())
+            if (base.get("device"), base.get("abi")) != (table["device"], table["abi"]):
+                ap.error(f"{out / (args.name + '.json')} was tuned on {base.get('device')} at ABI "
+                         f"{base.get('abi')}, not {table['device']} at ABI {table['abi']}: re-tune it whole")
+            timings = results / f"{args.name}_tune.jsonl"
+            if timings.exists():
+                base = dict(read_timings(timings.read_text()), **base)
     if partial.exists() and not args.resume:
         ap.error(f"{partial} holds a run cut short: pass --resume to continue it, or remove it")
     if args.resume and partial.exists():
@@ -334,6 +374,8 @@ def main() -> int:
                   f"lanes {chosen.lanes}", flush=True)
         table["choices"][v.uri] = ranges([(t, pick(v, t, measured[str(t)])) for t in tokens])
         build.write_if_different(partial, json.dumps(table, indent=1, sort_keys=True) + "\n")
+    if base is not None:
+        table = retuned(base, table)
     text = table_text(table)
     parse(json.loads(text), "tuner output")  # what the runtime will accept
     build.write_if_different(results / f"{args.name}_tune.jsonl", timings_text(table))

@@ -20,30 +20,17 @@ if __package__ == "codegen":  # the old spelling, `python -m codegen` from a che
     raise SystemExit(0)
 
 import argparse
-import fnmatch
 import os
 import sys
 import time
 
 from .load import lay_over, load_spec
-from .model import SpecError, Variant
+from .model import SpecError, Variant, select
 from .paths import PACKAGE, VARIANTS_YAML, user_variant_files
 from .render import generate, source_of
 from .signature import ABI_HEADER, write_abi_header
 
 _HEADER = ABI_HEADER.relative_to(PACKAGE).as_posix()
-
-
-def _select(variants, include: list[str], exclude: list[str]) -> list[Variant]:
-    """CUTLASS-style filters: glob patterns over the procedural names."""
-    out = []
-    for v in variants:
-        if include and not any(fnmatch.fnmatch(v.uri, p) for p in include):
-            continue
-        if any(fnmatch.fnmatch(v.uri, p) for p in exclude):
-            continue
-        out.append(v)
-    return out
 
 
 def _compile(variants: list[Variant], targets: list[str], jobs: int) -> int:
@@ -115,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 1
     if args.command == "list":
-        chosen = _select(spec.variants, args.filter, args.exclude)
+        chosen = select(spec.variants, args.filter, args.exclude)
         for v in chosen:
             print(v.uri)
         files = os.path.basename(args.spec) + "".join(f" + {f}" for f in overlays)
@@ -139,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generated/ ({len(shipped.variants)} variants) and {_HEADER} are current")
         return 0
     if args.command == "compile":
-        chosen = _select(spec.variants, args.filter, args.exclude)
+        chosen = select(spec.variants, args.filter, args.exclude)
         if write_abi_header(dry_run=True) or generate(shipped, dry_run=True).stale:
             print(f"generated/ or {_HEADER} is out of date: run `python -m kvforge.codegen` first", file=sys.stderr)
             return 1

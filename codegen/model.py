@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import fnmatch
 import functools
 import itertools
 import re
@@ -269,6 +270,14 @@ class Variant:
 
 AXES = ("contract", "dtype", "head_dim", "rotary_dim", "num_kv_heads", "cos_sin", "norm",
         "rope", "index_mode", "index_dtype", "kv_scale", "fp8", "kv_page_size", "index_page_size", "q_fp8")
+
+
+def select(variants, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> list[Variant]:
+    """CUTLASS-style filters: the variants whose procedural name (uri) matches a glob of
+    `include` (all, where it is empty) and none of `exclude`."""
+    return [v for v in variants
+            if (not include or any(fnmatch.fnmatch(v.uri, p) for p in include))
+            and not any(fnmatch.fnmatch(v.uri, p) for p in exclude)]
 
 
 @dataclass(frozen=True)

@@ -236,8 +236,52 @@ def test_the_tuner_resumes_a_run_cut_short_and_retimes_what_was_rebuilt(tmp_path
         {uri: {"1", "16"} for uri in load(tmp_path / "h200.json").choices}
     assert timings["builds"][first] == "new"
     table = json.loads((tmp_path / "h200.json").read_text())
-    assert list(table) == list(tune.TABLE_KEYS) and table["timings"] == "benchmarks/results/h200_tune.jsonl"
+    assert list(table) == [k for k in tune.TABLE_KEYS if k != "retuned"] and table["timings"] == "benchmarks/results/h200_tune.jsonl"
     assert table["device"] == timings["device"] == "GPU X" and table["date"] == timings["date"]
+
+
+def test_a_filtered_run_retunes_its_variants_within_the_table(tmp_path, monkeypatch, capsys):
+    """--filter times only the variants it names; the others keep their choices and timings,
+    and the table records the run beside the first one's provenance."""
+    tune, measure_count, timed = _fake_tuner(monkeypatch)
+    monkeypatch.setattr("sys.argv", ["tune.py", "--out", str(tmp_path), "--tokens", "1,16"])
+    assert tune.main() == 0
+    first = json.loads((tmp_path / "h200.json").read_text())
+    glob = "*kvpertokenhead*"
+    retimed = sorted(uri for uri in first["choices"] if "kvpertokenhead" in uri)
+    assert retimed and len(retimed) < len(first["choices"])
+    faster = Launch(1, 4, 0, 2)
+
+    def two_lanes_faster(v, tokens, confirm_within):  # lanes 2, tile 4 at depth 1: 10% faster
+        out = measure_count(v, tokens, confirm_within)
+        for times in out.values():
+            for key in times:
+                if tune._launch(key)._replace(v_loop=0) == faster:
+                    times[key] = 9.0
+        return out
+
+    monkeypatch.setattr(tune, "measure_count", two_lanes_faster)
+    monkeypatch.setattr("sys.argv", ["tune.py", "--out", str(tmp_path), "--tokens", "1,16", "--filter", glob])
+    timed.clear()
+    assert tune.main() == 0
+    assert sorted({uri for uri, _ in timed}) == retimed
+    table = json.loads((tmp_path / "h200.json").read_text())
+    assert {uri: r for uri, r in table["choices"].items() if uri not in retimed} == \
+        {uri: r for uri, r in first["choices"].items() if uri not in retimed}
+    for uri in retimed:
+        assert table["choices"][uri] != first["choices"][uri]
+        assert all(r[2] == 4 and r[4] == 2 for r in table["choices"][uri])
+    assert (table["command"], table["date"]) == (first["command"], first["date"])
+    assert table["retuned"] == [{"command": f"{first['command']} --filter '{glob}'", "date": first["date"],
+                                 "torch": first["torch"], "variants": retimed}]
+    timings = tune.read_timings((tmp_path / "h200_tune.jsonl").read_text())
+    assert set(timings["measured_us"]) == set(table["choices"]) and timings["retuned"] == table["retuned"]
+    assert len(load(tmp_path / "h200.json").choices) == len(first["choices"])
+
+    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda *a: "GPU Y")
+    with pytest.raises(SystemExit):
+        tune.main()
+    assert "h200.json was tuned on GPU X at ABI 7, not GPU Y at ABI 7: re-tune it whole" in capsys.readouterr().err
 
 
 def test_the_tuner_stops_before_a_count_it_could_not_finish_within_its_budget(tmp_path, monkeypatch, capsys):
@@ -377,7 +421,7 @@ def test_stored_tables_are_in_the_tuners_compact_form():
     from benchmarks.tune import TABLE_KEYS, read_timings, table_text, timings_text
 
     for path, table, text in _stored_tables():
-        assert list(table) == list(TABLE_KEYS), path
+        assert list(table) == [k for k in TABLE_KEYS if k in table] and set(TABLE_KEYS) - set(table) <= {"retuned"}, path
         assert path.read_text() == table_text(table), path
         assert len(path.read_text().splitlines()) <= 300, path
         assert timings_text(read_timings(text)) == text, table["timings"]
