@@ -14,8 +14,9 @@
 // the head is a shuffle butterfly inside the group. Tokens go to threads in tiles of one,
 // two or four (tuned; twice that at two lanes), the tile's groups of each head side by
 // side. A main-loop thread keeps its head lanes for every token it visits and requests
-// the next token's rows (RowPipe) while computing the current. V of a layout that
-// scatters one token's dims (SHUFFLE) goes, in long calls (kvf_args_t::v_loop), to a
+// the next token's rows (RowPipe) while computing the current; a K or V head with
+// per-token scales has two groups, taking alternate passes' tokens (Fused::kKvCopies). V
+// of a layout that scatters one token's dims (SHUFFLE) goes, in long calls (kvf_args_t::v_loop), to a
 // second loop every thread runs after the main one, in which a lane owns up to 8
 // consecutive tokens of one dim chunk and, for prefill runs, transposes them in registers
 // into vector stores (whole 16-byte runs are staged in shared memory, where rows come by
@@ -76,6 +77,8 @@ struct Dims {
   int64_t tokens_per_pass;    // tokens the main loop's threads cover at once (whole tiles)
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
   int64_t v_groups;           // groups of kVGroup tokens the V loop writes (the last may be partial)
+  int32_t kv_copies;          // groups per main-loop K/V head, each taking every kv_copies-th pass's
+                              // token (Fused::kKvCopies; 1 for a call of one pass)
 };
 
 // ---- stores ------------------------------------------------------------------------
@@ -210,7 +213,7 @@ struct HeadGroup {
 // is in it.
 template <class C>
 KVF_DEVICE void put_scale(const kvf_cache_t& c, int64_t slot, uint32_t h, float scale) {
-  if (slot < 0 || slot >= c.capacity) return;
+  if (!slot_ok<C>(c, slot)) return;
   const int64_t page = slot / C::kPageSize;
   const uint32_t off = static_cast<uint32_t>(slot % C::kPageSize);
   static_cast<float*>(c.data)[C::offset(c, page, off, h, 0)] = scale;
@@ -239,7 +242,16 @@ struct Fused {
 
   enum Kind { kQ, kK, kV, kIQ, kIK };
 
-  static int heads_main(int nq, int niq, int main_kv) { return nq + main_kv + (kIndex ? niq + 1 : 0); }
+  // Groups a main-loop K or V head may have (Dims::kv_copies). Every thread takes the same
+  // tokens, so the role with the longest path per token sets the loop's time: with per-token
+  // scales that is K's and V's (the head's amax, its reduction, a reciprocal, a division per
+  // value), whose warps ran on after q's had finished (ncu, PERF.md s33). Two groups of such
+  // a head take alternate passes' tokens, so each has half the tokens.
+  static constexpr int kKvCopies = KvQuant::kDynamic ? 2 : 1;
+
+  static int heads_main(int nq, int niq, int main_kv, int copies) {
+    return nq + copies * main_kv + (kIndex ? niq + 1 : 0);
+  }
 
   static KVF_DEVICE uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
@@ -348,6 +360,22 @@ struct Fused {
                                                                           : a.q_fp8_out_row_stride;
     const int64_t chunk = int64_t(int32_t(t)) * int32_t(stride / kVec) + (o == kIK ? 0 : head) * (D / kVec);
     if (base) store_bytes<kVec * eb>(static_cast<char*>(base) + (chunk * kVec + d0) * eb, w, 0);
+  }
+
+  // Main-loop head hm of a call whose K/V heads have `copies` groups each (Dims::kv_copies:
+  // the q heads, then the K and V heads `copies` times, then the index heads): the head it
+  // is with one group each, and which group (`copy`).
+  static KVF_DEVICE int one_group(int hm, int nq, int main_kv, int copies, int& copy) {
+    copy = 0;
+    if constexpr (kKvCopies > 1) {
+      const int j = hm - nq;
+      if (j >= main_kv && j < copies * main_kv) {
+        copy = j / main_kv;
+        return nq + j % main_kv;
+      }
+      if (j >= main_kv) return hm - (copies - 1) * main_kv;
+    }
+    return hm;
   }
 
   static KVF_DEVICE Role role_of(int hm, int nq, int niq, int main_kv) {
@@ -489,6 +517,7 @@ struct Fused {
 #endif
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
+    const int copies = kKvCopies > 1 ? dims.kv_copies : 1;
     const bool idle = gid >= tpp * dims.lanes_per_token;  // whole head groups idle together
     // Threads take tokens in tiles of dims.tile (1, 2 or 4 times the lanes per thread): a
     // head's groups of a tile's tokens sit side by side, so one store instruction writes
@@ -501,8 +530,10 @@ struct Fused {
     const int in_tile = static_cast<int>(gid % tile_lanes);
     const int within = in_tile / (dims.tile * LN) * LN + in_tile % LN;  // thread lane of the token's row
     const int lane = within % LN;
-    const Role r = role_of(within / LN, a.num_heads, a.num_index_heads, dims.main_kv_heads);
-    const int row_head = row_head_of(within / LN, a.num_heads, dims.main_kv_heads);
+    int copy;
+    const int hm = one_group(within / LN, a.num_heads, dims.main_kv_heads, copies, copy);
+    const Role r = role_of(hm, a.num_heads, a.num_index_heads, dims.main_kv_heads);
+    const int row_head = row_head_of(hm, a.num_heads, dims.main_kv_heads);
     uint32_t d0[kChunks];  // chunk 2s + i: chunk i of sub-lane s, its first dim
     int at[kChunks];       // its bytes from the first
 #pragma unroll
@@ -511,12 +542,13 @@ struct Fused {
       at[c] = int(d0[c] - d0[0]) * 2;
     }
     const bool kv = r.kind == kK || r.kind == kV;
+    const int64_t stride = kv ? copies * tpp : tpp;  // between the thread's tokens
     const int64_t* slots = kv ? a.slot_mapping : a.index_slot_mapping;
     const int64_t nslots = kv ? a.num_slots : a.num_index_slots;
     const bool has_slot = kv || r.kind == kIK;
     auto needs_cs = [&](int s) { return r.kind != kV && (rotates<kSub>(s, 0, lane) || rotates<kSub>(s, 1, lane)); };
     const char* row0 = static_cast<const char*>(a.qkv) + (int64_t(row_head) * D + d0[0]) * 2;
-    const int64_t first = dims.tile * (gid / tile_lanes) + in_tile / LN % dims.tile;  // the thread's first token
+    const int64_t first = dims.tile * (gid / tile_lanes) + in_tile / LN % dims.tile + copy * tpp;  // its first token
     // Copies into shared memory go out only for tokens the loop processes, so none is
     // still in flight when the thread returns (the V loop's stage then reuses the ring).
     int64_t t_req = first;
@@ -529,7 +561,7 @@ struct Fused {
       pipe.fill(k, row0 + (t_req < a.num_tokens ? t_req : a.num_tokens - 1) * a.qkv_row_stride * 2, at);
 #endif
       pipe.close();
-      t_req += tpp;
+      t_req += stride;
     };
     auto fetch = [&](Meta<kSub>& m, int64_t t) {
       const bool live = !idle && t < a.num_tokens;
@@ -575,7 +607,7 @@ struct Fused {
     request_rows(0);
     Meta<kSub> q[kMeta + 1];  // q[k]: the token k steps ahead of the one being computed
 #pragma unroll
-    for (int k = 0; k < kMeta; ++k) fetch(q[k], first + k * tpp);
+    for (int k = 0; k < kMeta; ++k) fetch(q[k], first + k * stride);
     // The scale the thread's stores divide by (its head is fixed: K's, V's or, with an FP8
     // query output, q's), in flight beside the rows.
     const float kv_scale = idle                  ? 1.0f
@@ -588,7 +620,7 @@ struct Fused {
       // Register rows go out after the loads this token waits for: AMD retires loads in
       // order, so waiting for the cos/sin would otherwise wait for the next rows too.
       if constexpr (KVF_ASYNC_COPY) request_rows(1);
-      fetch(q[kMeta], t + kMeta * tpp);
+      fetch(q[kMeta], t + kMeta * stride);
       fetch_cos_sin(q[kCsAhead]);
       if constexpr (!KVF_ASYNC_COPY) request_rows(1);
 #if KVF_SPLIT_BARRIER
@@ -659,7 +691,7 @@ struct Fused {
     SharedFactors<kChunks> shared{r.kind == kV ? nullptr : norm_factors[wk], {}};
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) shared.d0[c] = d0[c];
-    for (int64_t t = first; t < a.num_tokens; t += tpp) step(t, shared, KVF_SPLIT_BARRIER && t == first);
+    for (int64_t t = first; t < a.num_tokens; t += stride) step(t, shared, KVF_SPLIT_BARRIER && t == first);
   }
 
   // One token of a thread: its chunks x (chunk 2s + i: chunk i of sub-lane s, dims d0).
@@ -983,7 +1015,7 @@ int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
   const bool v_loop = F::kVTransposed && (a->v_loop == KVF_V_LOOP_DEFAULT ? a->num_tokens >= KVF_V_LOOP_MIN_TOKENS
                                                                            : a->v_loop == KVF_V_LOOP_ON);
   dims.main_kv_heads = v_loop ? F::NKV : 2 * F::NKV;
-  const int64_t heads = F::heads_main(a->num_heads, a->num_index_heads, dims.main_kv_heads);
+  dims.kv_copies = 1;
   dims.v_tokens = a->num_slots < a->num_tokens ? a->num_slots : a->num_tokens;
   dims.v_groups = v_loop ? (dims.v_tokens + F::kVGroup - 1) / F::kVGroup : 0;
   // A tile of tokens_per_tile * lanes tokens: a head's threads of it are as many at either
@@ -991,7 +1023,7 @@ int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
   // two heads in a warp, so K's and V's paths ran one after the other again (PERF.md,
   // v6.17).
   dims.tile = (a->tokens_per_tile ? a->tokens_per_tile : KVF_DEFAULT_TOKENS_PER_TILE) * lanes;
-  dims.lanes_per_token = heads * (F::LANES / lanes);
+  dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads, dims.main_kv_heads, 1) * (F::LANES / lanes);
   int dev = 0;
   if (hipGetDevice(&dev) != hipSuccess) return int(hipGetLastError());
   const int n_sms = sm_count(dev);
@@ -1009,6 +1041,19 @@ int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
     const int64_t min_blocks = (tile_lanes + threads - 1) / threads;
     if (blocks < min_blocks) blocks = min_blocks;
     dims.tokens_per_pass = blocks * threads / tile_lanes * dims.tile;
+    if (F::kKvCopies > 1 && dims.tokens_per_pass < a->num_tokens) {
+      // More than one pass (so the grid is a whole wave): K/V heads in F::kKvCopies groups
+      // where the grid still holds a tile of them.
+      Dims d = dims;
+      d.kv_copies = F::kKvCopies;
+      const int64_t lanes_of_tile = int64_t(d.tile) * F::heads_main(a->num_heads, a->num_index_heads,
+                                                                     d.main_kv_heads, d.kv_copies) * (F::LANES / lanes);
+      if (blocks * threads >= lanes_of_tile) {
+        d.lanes_per_token = lanes_of_tile / d.tile;
+        d.tokens_per_pass = blocks * threads / lanes_of_tile * d.tile;
+        dims = d;
+      }
+    }
     return int(launch_kernel(dims.tokens_per_pass >= a->num_tokens ? one_pass : loop, static_cast<unsigned>(blocks),
                              threads, static_cast<hipStream_t>(stream), dependent_launch_supported(dev), *a, dims));
   };
