@@ -16,13 +16,13 @@
 // side. A main-loop thread keeps its head lanes for every token it visits and requests
 // the next token's rows (RowPipe) while computing the current; a K or V head with
 // per-token scales has two groups, taking alternate passes' tokens (Fused::kKvCopies). V
-// of a layout that scatters one token's dims (SHUFFLE) goes, in long calls (kvf_args_t::v_loop), to a
-// second loop every thread runs after the main one, in which a lane owns up to 8
-// consecutive tokens of one dim chunk and, for prefill runs, transposes them in registers
-// into vector stores (whole 16-byte runs are staged in shared memory, where rows come by
-// cp.async, so a store instruction writes adjacent vectors); other calls write it in the
-// main loop (a head's row staged the same way). AMD stages neither: registers and LDS
-// (see kStageV).
+// of a layout that scatters one token's dims (SHUFFLE) goes, in long calls
+// (kvf_args_t::v_loop), to a second loop every thread runs after the main one, in which a
+// lane owns up to 8 consecutive tokens of one dim chunk and, for prefill runs, transposes
+// them in registers into vector stores (whole 16-byte runs are staged in shared memory,
+// where rows come by cp.async, so a store instruction writes adjacent vectors); other
+// calls write it in the main loop (a head's row staged the same way). AMD stages neither:
+// registers and LDS (see kStageV).
 #pragma once
 
 #include <type_traits>
@@ -41,16 +41,13 @@ constexpr int kBlock = 256;
 template <int kSub>
 constexpr int kThreadsOf = kBlock / kSub;
 // Resident blocks per SM the register cap keeps. One lane per thread: three of 256
-// threads (80 registers) at every pipeline depth. A thread has few bytes in flight, so the
-// SM needs many threads; the cap spills a few words (FP8 KV at head_dim 128: 12-24 bytes)
-// and more at depth 2 with fp32 cos/sin (132 bytes), where the tuner then keeps depth 1,
-// or FP8 KV at head_dim 64 (204 bytes; untuned, so depth 1). Two blocks (128 registers)
-// were slower for depth 1 of the fp32 cos/sin variants (benchmarks/PERF.md, v6.1).
-// Two lanes per thread: four blocks of 128 threads (128 registers); in a loop of q's math
-// that held its rows in registers, 512 threads of two lanes beat 768 with 80 registers
-// (PERF.md, v6.17). HIP reads the bound as waves per SIMD: 2 there is the same 512
-// threads per CU (256 VGPRs); 4 and 3 spilled AMD's row FIFO of four chunks to scratch on
-// gfx942.
+// threads (80 registers) at every pipeline depth: a thread has few bytes in flight, so the
+// SM needs many threads; the cap spills a few words (FP8 KV at head_dim 128: 12-24 bytes;
+// more at depth 2 with fp32 cos/sin, where the tuner keeps depth 1), and two blocks (128
+// registers) were slower (benchmarks/PERF.md, v6.1). Two lanes per thread: four blocks of
+// 128 threads (128 registers): 512 threads of two lanes beat 768 of one in a loop of q's
+// math (v6.17). HIP reads the bound as waves per SIMD: 2 there is the same 512 threads per
+// CU (256 VGPRs); 4 and 3 spilled AMD's row FIFO to scratch on gfx942.
 #ifdef KVF_CUDA
 constexpr int kMinBlocksTwoLanes = 4;
 #else
@@ -59,10 +56,6 @@ constexpr int kMinBlocksTwoLanes = 2;
 template <int kSub>
 constexpr int kMinBlocksOf = kSub == 1 ? 3 : kMinBlocksTwoLanes;
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
-// A library carries the main loop at every pipeline depth 1..KVF_MAX_PIPELINE_DEPTH
-// (see Fused::main_loop); a call names one (kvf_args_t::pipeline_depth, 0: the default),
-// but a call of one pass runs at depth 1 (launch_at_depth).
-
 // A transposed V (SHUFFLE) goes to the V loop as kvf_args_t::v_loop says (tuned per
 // shape), by default from KVF_V_LOOP_MIN_TOKENS tokens on. Decodes have scattered slots,
 // where every V value is its own store, best spread over the main loop's many lanes than
@@ -242,11 +235,10 @@ struct Fused {
 
   enum Kind { kQ, kK, kV, kIQ, kIK };
 
-  // Groups a main-loop K or V head may have (Dims::kv_copies). Every thread takes the same
-  // tokens, so the role with the longest path per token sets the loop's time: with per-token
-  // scales that is K's and V's (the head's amax, its reduction, a reciprocal, a division per
-  // value), whose warps ran on after q's had finished (ncu, PERF.md s33). Two groups of such
-  // a head take alternate passes' tokens, so each has half the tokens.
+  // Groups per main-loop K/V head (Dims::kv_copies). Threads all take the same tokens, so
+  // the longest path per token sets the loop's time: with per-token scales K's and V's
+  // (amax, its reduction, a reciprocal, a division per value; their warps ran on after q's:
+  // ncu, PERF.md s33). Two groups of such a head take alternate passes' tokens: half each.
   static constexpr int kKvCopies = KvQuant::kDynamic ? 2 : 1;
 
   static int heads_main(int nq, int niq, int main_kv, int copies) {
@@ -362,9 +354,8 @@ struct Fused {
     if (base) store_bytes<kVec * eb>(static_cast<char*>(base) + (chunk * kVec + d0) * eb, w, 0);
   }
 
-  // Main-loop head hm of a call whose K/V heads have `copies` groups each (Dims::kv_copies:
-  // the q heads, then the K and V heads `copies` times, then the index heads): the head it
-  // is with one group each, and which group (`copy`).
+  // Main-loop head hm where K/V heads have `copies` groups (the q heads, the K and V heads
+  // `copies` times, the index heads): its head with one group each, and its group (`copy`).
   static KVF_DEVICE int one_group(int hm, int nq, int main_kv, int copies, int& copy) {
     copy = 0;
     if constexpr (kKvCopies > 1) {
@@ -460,16 +451,14 @@ struct Fused {
   static KVF_DEVICE uint32_t v_stage_pos(uint32_t d) { return (d & ~7u) | ((d ^ (d >> 3)) & 7u); }
 
   // A block's shared memory: the main loop's norm factors and row ring, the V loop's
-  // stage, and the count of the block's V-loop runs taken. The stage has bytes of its
-  // own where all fits in static shared memory (FP8 KV: 39 KB), so a warp starts on the
-  // V loop when its main loop ends; else (bf16/fp16 V: 59 KB) it reuses the main loop's
-  // bytes after a block barrier, and the warps that finish first wait there. (Apart, FP8's
-  // long calls ran faster at both depths, and ptxas spilled 20 bytes at depth 2, not 208:
-  // PERF.md, v6.10.) Where there is no stage (AMD, the
-  // register pipeline, FP8 at head_dim 256) there is no barrier either. 39 KB leaves
-  // three blocks per SM on sm_90's 228 KB, two on sm_86/89's 100 KB. A block of 128
-  // threads of two lanes has the same bytes (the V-loop stage, sized for 256 threads, half
-  // used): four per SM on sm_90, two on sm_86/89.
+  // stage, and the count of the block's V-loop runs taken. The stage has bytes of its own
+  // where all fits in static shared memory (FP8 KV: 39 KB), so a warp starts on the V loop
+  // when its main loop ends; else (bf16/fp16 V: 59 KB) it reuses the main loop's bytes
+  // after a block barrier, where the warps that finish first wait. (Apart, FP8's long calls
+  // ran faster, and spilled 20 bytes at depth 2, not 208: PERF.md, v6.10.) No stage (AMD,
+  // FP8 at head_dim 256), no barrier. 39 KB leaves three blocks per SM on sm_90's 228 KB,
+  // two on sm_86/89's 100 KB; a block of 128 threads of two lanes has the same bytes (the
+  // stage, sized for 256 threads, half used): four per SM on sm_90, two on sm_86/89.
   struct MainSmem {
     float norm_factors[4][D];
 #if KVF_ASYNC_COPY
