@@ -35,9 +35,11 @@ depth 1 whatever the depth, so there the depths time the same kernel and the 2% 
 keeps the default.
 
 A run with --filter or --exclude re-tunes those variants within the table it finds at
-<name>.json (same device and ABI; refused otherwise): the others keep their choices and
-timings, and the table lists the run under "retuned" (its command, date, torch and
-variants) beside the first run's provenance.
+<name>.json: the others keep their choices and timings, and the table lists the run under
+"retuned" (its command, date, torch and variants) beside the first run's provenance. It is
+refused where that table is another device's or ABI's, its timings file is missing or of
+another tuner format or run, or was measured at other token counts (`base_of`); without a
+table there it writes one of its variants alone.
 
 Each count's times go to <name>.json.partial as it is measured; --resume takes what it
 finds there for variants whose build is unchanged (same command, device, torch, ABI and
@@ -216,7 +218,7 @@ def ranges(choices: list[tuple[int, Launch]]) -> list[list]:
 
 # What the runtime's table holds (runtime/tuning.py reads device, abi and choices; the rest
 # is provenance), and what the timings file's header line holds.
-# "retuned" only where runs with --filter re-tuned some variants since.
+# "retuned" only where runs with --filter/--exclude re-tuned some variants since.
 TABLE_KEYS = ("device", "abi", "command", "date", "torch", "retuned", "timings", "choices")
 TIMINGS_KEYS = ("device", "abi", "command", "date", "torch", "retuned", "tuner", "builds")
 
@@ -250,6 +252,30 @@ def read_timings(text: str) -> dict:
     for r in records:
         measured.setdefault(r["variant"], {}).setdefault(str(r["tokens"]), {})[r["pattern"]] = r["us"]
     return dict(header, measured_us=measured)
+
+
+def base_of(table_path: Path, timings_path: Path, run: dict, tokens: list[int]) -> Optional[dict]:
+    """The table a run with --filter/--exclude re-tunes within, its timings gathered back
+    (read_timings), or None where there is none. A ValueError says why the run may not be
+    laid over it."""
+    if not table_path.exists():
+        return None
+    base = json.loads(table_path.read_text())
+    if (base.get("device"), base.get("abi")) != (run["device"], run["abi"]):
+        raise ValueError(f"{table_path} was tuned on {base.get('device')} at ABI {base.get('abi')}, "
+                         f"not {run['device']} at ABI {run['abi']}: re-tune it whole")
+    if not timings_path.exists():
+        raise ValueError(f"{table_path}: its timings {timings_path} are missing: re-tune it whole")
+    timings = read_timings(timings_path.read_text())
+    if timings.get("tuner") != run["tuner"] or \
+            (timings.get("command"), timings.get("date")) != (base.get("command"), base.get("date")):
+        raise ValueError(f"{timings_path} holds another run's timings than {table_path}, or another tuner "
+                         f"format's (this one's: {run['tuner']}): re-tune it whole")
+    counts = sorted({int(t) for by_count in timings["measured_us"].values() for t in by_count})
+    if counts != sorted(tokens):
+        raise ValueError(f"--tokens: {table_path} was tuned at {','.join(map(str, counts))}: "
+                         "re-tune its variants at the same counts")
+    return dict(timings, **base)
 
 
 def retuned(old: dict, run: dict) -> dict:
@@ -321,16 +347,12 @@ def main() -> int:
     results = Path(args.results) if args.results else RESULTS if out.resolve() == TUNED.resolve() else out
     results.mkdir(parents=True, exist_ok=True)
     partial = out / f"{args.name}.json.partial"
-    base = None  # the table a run with --filter re-tunes within, its timings gathered back
+    base = None  # the table a run with --filter/--exclude re-tunes within
     if args.filter or args.exclude:
-        if (out / f"{args.name}.json").exists():
-            base = json.loads((out / f"{args.name}.json").read_text())
-            if (base.get("device"), base.get("abi")) != (table["device"], table["abi"]):
-                ap.error(f"{out / (args.name + '.json')} was tuned on {base.get('device')} at ABI "
-                         f"{base.get('abi')}, not {table['device']} at ABI {table['abi']}: re-tune it whole")
-            timings = results / f"{args.name}_tune.jsonl"
-            if timings.exists():
-                base = dict(read_timings(timings.read_text()), **base)
+        try:
+            base = base_of(out / f"{args.name}.json", results / f"{args.name}_tune.jsonl", table, tokens)
+        except ValueError as e:
+            ap.error(str(e))
     if partial.exists() and not args.resume:
         ap.error(f"{partial} holds a run cut short: pass --resume to continue it, or remove it")
     if args.resume and partial.exists():

@@ -278,10 +278,25 @@ def test_a_filtered_run_retunes_its_variants_within_the_table(tmp_path, monkeypa
     assert set(timings["measured_us"]) == set(table["choices"]) and timings["retuned"] == table["retuned"]
     assert len(load(tmp_path / "h200.json").choices) == len(first["choices"])
 
+    # refused: other token counts, timings of another run, none, another GPU
+    capsys.readouterr()
+    refusals = [(["--tokens", "1,16,128"], None, "--tokens: {t} was tuned at 1,16: re-tune its variants at the same counts"),
+                ([], lambda p: p.write_text(p.read_text().replace(first["date"], "1999-01-01", 1)),
+                 "{j} holds another run's timings than {t}, or another tuner format's (this one's: 2): re-tune it whole"),
+                ([], lambda p: p.unlink(), "{t}: its timings {j} are missing: re-tune it whole")]
+    t, j = tmp_path / "h200.json", tmp_path / "h200_tune.jsonl"
+    for args, spoil, message in refusals:
+        if spoil:
+            spoil(j)
+        monkeypatch.setattr("sys.argv", ["tune.py", "--out", str(tmp_path), "--tokens", "1,16", "--filter", glob]
+                            + args)
+        with pytest.raises(SystemExit):
+            tune.main()
+        assert message.format(t=t, j=j) in capsys.readouterr().err
     monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda *a: "GPU Y")
     with pytest.raises(SystemExit):
         tune.main()
-    assert "h200.json was tuned on GPU X at ABI 7, not GPU Y at ABI 7: re-tune it whole" in capsys.readouterr().err
+    assert f"{t} was tuned on GPU X at ABI 7, not GPU Y at ABI 7: re-tune it whole" in capsys.readouterr().err
 
 
 def test_the_tuner_stops_before_a_count_it_could_not_finish_within_its_budget(tmp_path, monkeypatch, capsys):

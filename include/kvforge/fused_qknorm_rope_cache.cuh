@@ -14,8 +14,9 @@
 // the head is a shuffle butterfly inside the group. Tokens go to threads in tiles of one,
 // two or four (tuned; twice that at two lanes), the tile's groups of each head side by
 // side. A main-loop thread keeps its head lanes for every token it visits and requests
-// the next token's rows (RowPipe) while computing the current; a K or V head with
-// per-token scales has two groups, taking alternate passes' tokens (Fused::kKvCopies). V
+// the next token's rows (RowPipe) while computing the current; in calls of several
+// passes a main-loop K/V head with per-token scales has two groups taking alternate
+// passes' tokens (Fused::kKvCopies). V
 // of a layout that scatters one token's dims (SHUFFLE) goes, in long calls
 // (kvf_args_t::v_loop), to a second loop every thread runs after the main one, in which a
 // lane owns up to 8 consecutive tokens of one dim chunk and, for prefill runs, transposes
@@ -43,8 +44,8 @@ constexpr int kThreadsOf = kBlock / kSub;
 // Resident blocks per SM the register cap keeps. One lane per thread: three of 256
 // threads (80 registers) at every pipeline depth: a thread has few bytes in flight, so the
 // SM needs many threads; the cap spills a few words (FP8 KV at head_dim 128: 12-24 bytes;
-// more at depth 2 with fp32 cos/sin, where the tuner keeps depth 1), and two blocks (128
-// registers) were slower (benchmarks/PERF.md, v6.1). Two lanes per thread: four blocks of
+// more at depth 2 with fp32 cos/sin, where the tuner keeps depth 1), yet two blocks (128
+// registers) were slower there (benchmarks/PERF.md, v6.1). Two lanes per thread: four blocks of
 // 128 threads (128 registers): 512 threads of two lanes beat 768 of one in a loop of q's
 // math (v6.17). HIP reads the bound as waves per SIMD: 2 there is the same 512 threads per
 // CU (256 VGPRs); 4 and 3 spilled AMD's row FIFO to scratch on gfx942.
@@ -71,7 +72,7 @@ struct Dims {
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
   int64_t v_groups;           // groups of kVGroup tokens the V loop writes (the last may be partial)
   int32_t kv_copies;          // groups per main-loop K/V head, each taking every kv_copies-th pass's
-                              // token (Fused::kKvCopies; 1 for a call of one pass)
+                              // token (Fused::kKvCopies where the call takes several passes, else 1)
 };
 
 // ---- stores ------------------------------------------------------------------------
@@ -236,7 +237,7 @@ struct Fused {
   enum Kind { kQ, kK, kV, kIQ, kIK };
 
   // Groups per main-loop K/V head (Dims::kv_copies). Threads all take the same tokens, so
-  // the longest path per token sets the loop's time: with per-token scales K's and V's
+  // the longest path per token sets the loop's time: with per-token scales K's and V's is
   // (amax, its reduction, a reciprocal, a division per value; their warps ran on after q's:
   // ncu, PERF.md s33). Two groups of such a head take alternate passes' tokens: half each.
   static constexpr int kKvCopies = KvQuant::kDynamic ? 2 : 1;
@@ -455,8 +456,8 @@ struct Fused {
   // where all fits in static shared memory (FP8 KV: 39 KB), so a warp starts on the V loop
   // when its main loop ends; else (bf16/fp16 V: 59 KB) it reuses the main loop's bytes
   // after a block barrier, where the warps that finish first wait. (Apart, FP8's long calls
-  // ran faster, and spilled 20 bytes at depth 2, not 208: PERF.md, v6.10.) No stage (AMD,
-  // FP8 at head_dim 256), no barrier. 39 KB leaves three blocks per SM on sm_90's 228 KB,
+  // ran faster, and spilled 20 bytes at depth 2, not 208: PERF.md, v6.10.) No stage (the
+  // register pipeline, as on AMD; FP8 at head_dim 256), no barrier. 39 KB leaves three blocks per SM on sm_90's 228 KB,
   // two on sm_86/89's 100 KB; a block of 128 threads of two lanes has the same bytes (the
   // stage, sized for 256 threads, half used): four per SM on sm_90, two on sm_86/89.
   struct MainSmem {
