@@ -282,7 +282,7 @@ def retuned(old: dict, run: dict) -> dict:
     """The table `old` (with its timings gathered back: read_timings) with the variants a
     run over some of them (`run`) tuned replaced by that run's choices and timings, the run
     recorded under "retuned"."""
-    out = dict(old, tuner=run["tuner"])
+    out = dict(old)  # base_of: of this tuner format
     out["retuned"] = [*old.get("retuned", ()),
                       {"command": run["command"], "date": run["date"], "torch": run["torch"],
                        "variants": sorted(run["choices"])}]

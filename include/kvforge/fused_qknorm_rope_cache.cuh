@@ -457,9 +457,10 @@ struct Fused {
   // when its main loop ends; else (bf16/fp16 V: 59 KB) it reuses the main loop's bytes
   // after a block barrier, where the warps that finish first wait. (Apart, FP8's long calls
   // ran faster, and spilled 20 bytes at depth 2, not 208: PERF.md, v6.10.) No stage (the
-  // register pipeline, as on AMD; FP8 at head_dim 256), no barrier. 39 KB leaves three blocks per SM on sm_90's 228 KB,
-  // two on sm_86/89's 100 KB; a block of 128 threads of two lanes has the same bytes (the
-  // stage, sized for 256 threads, half used): four per SM on sm_90, two on sm_86/89.
+  // register pipeline, as on AMD; FP8 at head_dim 256), no barrier. 39 KB leaves three
+  // blocks per SM on sm_90's 228 KB, two on sm_86/89's 100 KB; a block of 128 threads of
+  // two lanes has the same bytes (the stage, sized for 256 threads, half used): four per SM
+  // on sm_90, two on sm_86/89.
   struct MainSmem {
     float norm_factors[4][D];
 #if KVF_ASYNC_COPY
