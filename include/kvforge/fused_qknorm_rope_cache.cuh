@@ -8,22 +8,21 @@
 // Traits::{K,V,Index}::offset, vector widths from codegen/layout.py, which dims a lane
 // holds from codegen/lanes.py (Traits::Lanes).
 //
-// Work split: a main-loop lane holds two 16-byte chunks of one head, so one head of D
-// dims is D/16 lanes, held by as many adjacent threads ("a group") or, at two lanes per
-// thread (tuned), half as many; groups never straddle a warp or wave, so a reduction over
-// the head is a shuffle butterfly inside the group. Tokens go to threads in tiles of one,
-// two or four (tuned; twice that at two lanes), the tile's groups of each head side by
-// side. A main-loop thread keeps its head lanes for every token it visits and requests
-// the next token's rows (RowPipe) while computing the current; in calls of several
-// passes a main-loop K/V head with per-token scales has two groups taking alternate
-// passes' tokens (Fused::kKvCopies). V
-// of a layout that scatters one token's dims (SHUFFLE) goes, in long calls
-// (kvf_args_t::v_loop), to a second loop every thread runs after the main one, in which a
-// lane owns up to 8 consecutive tokens of one dim chunk and, for prefill runs, transposes
-// them in registers into vector stores (whole 16-byte runs are staged in shared memory,
-// where rows come by cp.async, so a store instruction writes adjacent vectors); other
-// calls write it in the main loop (a head's row staged the same way). AMD stages neither:
-// registers and LDS (see kStageV).
+// Work split: a main-loop lane holds two 16-byte chunks of one head, so one head of D dims
+// is D/16 lanes, held by as many adjacent threads ("a group") or, at two lanes per thread
+// (tuned), half as many; groups never straddle a warp or wave, so a reduction over the head
+// is a shuffle butterfly inside the group. Tokens go to threads in tiles of one, two or
+// four (tuned; twice that at two lanes), the tile's groups of each head side by side. A
+// main-loop thread keeps its head lanes for every token it visits and requests the next
+// token's rows (RowPipe) while computing the current; in calls of several passes a
+// main-loop K/V head with per-token scales has two groups taking alternate passes' tokens
+// (Fused::kKvCopies). V of a layout that scatters one token's dims (SHUFFLE) goes, in long
+// calls (kvf_args_t::v_loop), to a second loop every thread runs after the main one, in
+// which a lane owns up to 8 consecutive tokens of one dim chunk and, for prefill runs,
+// transposes them in registers into vector stores (whole 16-byte runs are staged in shared
+// memory, where rows come by cp.async, so a store instruction writes adjacent vectors);
+// other calls write it in the main loop (a head's row staged the same way). AMD stages
+// neither: registers and LDS (see kStageV).
 #pragma once
 
 #include <type_traits>
@@ -334,14 +333,12 @@ struct Fused {
     int kind, head;
   };
 
-  // Output o's chunk at dims d0.. of the thread's head at token t, where the call gives
-  // that output: o is the role whose output it is in the model dtype (q_out, k_out,
-  // index_q_out in its own dtype, index_k_out) or kQ8 (q_fp8_out). Its row and stride come
-  // from the arguments (constant memory) at each store, and the row offset is a product of
-  // 32-bit factors in chunks of 8 elements (validate: a row stride is a whole number of 16
-  // bytes, under 2^31 chunks; t < num_tokens): a pointer and stride held across the loop,
-  // or 64-bit products, took registers the 80-register cap does not have (FP8 spilled in
-  // the main loop, PERF.md s32).
+  // Output o's chunk at dims d0.. of head `head`'s row at token t: o is the role whose
+  // output it is (q_out, k_out, index_q_out, index_k_out) or kQ8 (q_fp8_out). Only k_out,
+  // index_k_out and (beside q_fp8_out) q_out may be absent. Base and stride are read from
+  // the arguments (constant memory) per store and the offset is one widening 32-bit product
+  // (validate: row strides whole 16 bytes, under 2^31 bytes): held across the loop, or as
+  // 64-bit products, they took registers the 80-register cap lacks (FP8 spilled, PERF.md s32).
   static constexpr int kQ8 = kIK + 1;
   template <int o>
   static KVF_DEVICE void put_row(const kvf_args_t& a, int head, int64_t t, uint32_t d0, const uint32_t* w) {
@@ -351,8 +348,9 @@ struct Fused {
     const int64_t stride = o == kQ ? a.q_out_row_stride : o == kK ? a.k_out_row_stride
                          : o == kIQ ? a.index_q_out_row_stride : o == kIK ? a.index_k_out_row_stride
                                                                           : a.q_fp8_out_row_stride;
-    const int64_t chunk = int64_t(int32_t(t)) * int32_t(stride / kVec) + (o == kIK ? 0 : head) * (D / kVec);
-    if (base) store_bytes<kVec * eb>(static_cast<char*>(base) + (chunk * kVec + d0) * eb, w, 0);
+    if ((o == kK || o == kIK || (o == kQ && kQFp8)) && !base) return;
+    const int64_t e = int64_t(int32_t(t)) * int32_t(stride) + ((o == kIK ? 0 : head) * D + d0);
+    store_bytes<kVec * eb>(static_cast<char*>(base) + e * eb, w, 0);
   }
 
   // Main-loop head hm where K/V heads have `copies` groups (the q heads, the K and V heads
@@ -361,11 +359,11 @@ struct Fused {
     copy = 0;
     if constexpr (kKvCopies > 1) {
       const int j = hm - nq;
-      if (j >= main_kv && j < copies * main_kv) {
+      if (j >= copies * main_kv) return hm - (copies - 1) * main_kv;
+      if (j >= main_kv) {
         copy = j / main_kv;
         return nq + j % main_kv;
       }
-      if (j >= main_kv) return hm - (copies - 1) * main_kv;
     }
     return hm;
   }
@@ -1014,7 +1012,10 @@ int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
   // two heads in a warp, so K's and V's paths ran one after the other again (PERF.md,
   // v6.17).
   dims.tile = (a->tokens_per_tile ? a->tokens_per_tile : KVF_DEFAULT_TOKENS_PER_TILE) * lanes;
-  dims.lanes_per_token = F::heads_main(a->num_heads, a->num_index_heads, dims.main_kv_heads, 1) * (F::LANES / lanes);
+  const auto lanes_per_token = [&](int copies) {
+    return F::heads_main(a->num_heads, a->num_index_heads, dims.main_kv_heads, copies) * (F::LANES / lanes);
+  };
+  dims.lanes_per_token = lanes_per_token(1);
   int dev = 0;
   if (hipGetDevice(&dev) != hipSuccess) return int(hipGetLastError());
   const int n_sms = sm_count(dev);
@@ -1037,8 +1038,7 @@ int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
       // where the grid still holds a tile of them.
       Dims d = dims;
       d.kv_copies = F::kKvCopies;
-      const int64_t lanes_of_tile = int64_t(d.tile) * F::heads_main(a->num_heads, a->num_index_heads,
-                                                                     d.main_kv_heads, d.kv_copies) * (F::LANES / lanes);
+      const int64_t lanes_of_tile = int64_t(d.tile) * lanes_per_token(d.kv_copies);
       if (blocks * threads >= lanes_of_tile) {
         d.lanes_per_token = lanes_of_tile / d.tile;
         d.tokens_per_pass = blocks * threads / lanes_of_tile * d.tile;
