@@ -114,15 +114,14 @@ def _contiguous(name: str, t: torch.Tensor) -> None:
 def _rows(name: str, t: torch.Tensor, row: int) -> None:
     """An output's rows ([T, heads, D] or [T, heads * D]): contiguous elements each, the row
     stride a multiple of 16 bytes and at least a row (a view of qkv's columns is one), and
-    under 2^31 bytes (the kernel's row offsets are products of 32-bit factors)."""
+    under 2^31 elements (the kernel's row offsets are products of 32-bit factors)."""
     inner = t.stride(-1) == 1 and (t.dim() == 2 or t.stride(1) == t.shape[2])
     stride = t.stride(0)
     if not inner or (t.shape[0] > 1 and ((stride * t.element_size()) % 16 or stride < row)):
         raise ValueError(f"{name}: expected rows of contiguous elements whose row stride is a multiple of 16 "
                          f"bytes, got strides {tuple(t.stride())}")
-    limit = 2 ** 31 // t.element_size()
-    if t.shape[0] > 1 and stride >= limit:
-        raise ValueError(f"{name}: expected a row stride under {limit} elements (2^31 bytes), got {stride}")
+    if t.shape[0] > 1 and stride >= 2 ** 31:
+        raise ValueError(f"{name}: expected a row stride under 2^31 elements, got {stride}")
 
 
 def _aligned(name: str, t: torch.Tensor) -> None:

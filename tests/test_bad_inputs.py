@@ -647,11 +647,8 @@ def test_the_aiter_drop_in_reads_a_missing_or_empty_fp8_scale_as_the_identity():
 
 def test_an_output_row_stride_past_the_kernels_32_bit_row_offsets_is_refused():
     """The kernel's output row offsets are products of 32-bit factors, so a row stride of
-    2^31 bytes or more is refused, in elements of the output's dtype (a meta tensor has
-    one without memory)."""
+    2^31 elements or more is refused (a meta tensor has one without memory)."""
     from kvforge.runtime.validate import _rows
-    for dtype, limit in ((torch.bfloat16, 1 << 30), (torch.float8_e4m3fn, 1 << 31)):
-        _rows("q_out", torch.empty_strided((2, 128), (limit - 16, 1), dtype=dtype, device="meta"), 128)
-        with pytest.raises(ValueError, match=X(f"q_out: expected a row stride under {limit} elements "
-                                               f"(2^31 bytes), got {limit}")):
-            _rows("q_out", torch.empty_strided((2, 128), (limit, 1), dtype=dtype, device="meta"), 128)
+    _rows("q_out", torch.empty_strided((2, 128), ((1 << 31) - 8, 1), dtype=torch.bfloat16, device="meta"), 128)
+    with pytest.raises(ValueError, match=X(f"q_out: expected a row stride under 2^31 elements, got {1 << 31}")):
+        _rows("q_out", torch.empty_strided((2, 128), (1 << 31, 1), dtype=torch.bfloat16, device="meta"), 128)

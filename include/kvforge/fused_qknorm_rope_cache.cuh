@@ -336,9 +336,9 @@ struct Fused {
   // Output o's chunk at dims d0.. of head `head`'s row at token t: o is the role whose
   // output it is (q_out, k_out, index_q_out, index_k_out) or kQ8 (q_fp8_out). Only k_out,
   // index_k_out and (beside q_fp8_out) q_out may be absent. Base and stride are read from
-  // the arguments (constant memory) per store and the offset is one widening 32-bit product
-  // (validate: row strides whole 16 bytes, under 2^31 bytes): held across the loop, or as
-  // 64-bit products, they took registers the 80-register cap lacks (FP8 spilled, PERF.md s32).
+  // the arguments (constant memory) per store, the offset one widening 32-bit product
+  // (validate: row strides whole 16 bytes, under 2^31 elements): held across the loop, or
+  // as 64-bit products, they took registers the 80-register cap lacks (PERF.md s32).
   static constexpr int kQ8 = kIK + 1;
   template <int o>
   static KVF_DEVICE void put_row(const kvf_args_t& a, int head, int64_t t, uint32_t d0, const uint32_t* w) {
