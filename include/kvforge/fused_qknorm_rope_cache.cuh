@@ -65,8 +65,7 @@ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 struct Dims {
   int32_t main_kv_heads;      // K and V heads per token in the main loop: 2 nkv, or nkv when V is the V loop's
   int32_t lanes_per_token;    // main loop: threads per token, heads handled * a head's threads
-  int32_t tile;               // tokens whose groups of a head sit side by side (1..8: a tile
-                              // of tokens_per_tile * lanes_per_thread)
+  int32_t tile;               // tokens whose groups of a head sit side by side: tokens_per_tile * lanes (1..8)
   int64_t tokens_per_pass;    // tokens the main loop's threads cover at once (whole tiles)
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
   int64_t v_groups;           // groups of kVGroup tokens the V loop writes (the last may be partial)
@@ -100,6 +99,24 @@ KVF_DEVICE void store_bytes(void* p, const uint32_t* w, int at) {
   }
 }
 
+// Whether a slot is in cache c. (Unsigned, with unsigned page arithmetic below, it saved
+// a few instructions but FP8 SHUFFLE spilled more at depth 2: PERF.md, s36.)
+template <class C>
+KVF_DEVICE bool slot_ok(const kvf_cache_t& c, int64_t slot) {
+  return slot >= 0 && slot < c.capacity;
+}
+
+// Element (slot, h, d)'s index in cache C, for a slot slot_ok accepted.
+template <class C>
+struct SlotAt {
+  int64_t page;
+  uint32_t off;
+  KVF_DEVICE explicit SlotAt(int64_t slot) : page(slot / C::kPageSize), off(uint32_t(slot % C::kPageSize)) {}
+  KVF_DEVICE int64_t offset(const kvf_cache_t& c, uint32_t h, uint32_t d) const {
+    return C::offset(c, page, off, h, d);
+  }
+};
+
 // Write one chunk's 8 dims [d0, d0+8) of one (slot, head) into a cache, in vectors of
 // C::kDVec elements (the widest the layout keeps contiguous along d).
 template <class C>
@@ -107,19 +124,10 @@ KVF_DEVICE void store_dims(const kvf_cache_t& c, int64_t slot, uint32_t h, uint3
                            const uint32_t* w) {
   constexpr int kW = C::kDVec;
   constexpr int kNB = kW * C::kElemBytes;
-  const int64_t page = slot / C::kPageSize;
-  const uint32_t off = static_cast<uint32_t>(slot % C::kPageSize);
-  char* base = static_cast<char*>(c.data);
+  const SlotAt<C> at(slot);
 #pragma unroll
-  for (int m = 0; m < kVec / kW; ++m) {
-    const int64_t e = C::offset(c, page, off, h, d0 + m * kW);
-    store_bytes<kNB>(base + e * C::kElemBytes, w, m * kNB);
-  }
-}
-
-template <class C>
-KVF_DEVICE bool slot_ok(const kvf_cache_t& c, int64_t slot) {
-  return slot >= 0 && slot < c.capacity;
+  for (int m = 0; m < kVec / kW; ++m)
+    store_bytes<kNB>(static_cast<char*>(c.data) + at.offset(c, h, d0 + m * kW) * C::kElemBytes, w, m * kNB);
 }
 
 // A thread's 16-byte row chunks per token (two per head lane), requested one token ahead
@@ -202,14 +210,10 @@ struct HeadGroup {
   }
 };
 
-// Write a per-token scale into a scale cache C (one fp32 per slot and head) where the slot
-// is in it.
+// Write a per-token scale into scale cache C (one fp32 per slot and head) if the slot is in it.
 template <class C>
 KVF_DEVICE void put_scale(const kvf_cache_t& c, int64_t slot, uint32_t h, float scale) {
-  if (!slot_ok<C>(c, slot)) return;
-  const int64_t page = slot / C::kPageSize;
-  const uint32_t off = static_cast<uint32_t>(slot % C::kPageSize);
-  static_cast<float*>(c.data)[C::offset(c, page, off, h, 0)] = scale;
+  if (slot_ok<C>(c, slot)) static_cast<float*>(c.data)[SlotAt<C>(slot).offset(c, h, 0)] = scale;
 }
 
 template <class VT>
@@ -314,15 +318,14 @@ struct Fused {
       store_bytes<8 * EB>(row + d0[c] * EB, w, 0);
     }
     group_sync<LN>();
-    const int64_t page = slot / C::kPageSize;
-    const uint32_t off = static_cast<uint32_t>(slot % C::kPageSize);
+    const SlotAt<C> at(slot);
     char* base = static_cast<char*>(c.data);
 #pragma unroll
     for (int s = 0; s < D / LN; ++s) {
       const uint32_t d = s * LN + lane;
       uint32_t v[1];
       v[0] = EB == 1 ? row[d] : *reinterpret_cast<const uint16_t*>(row + 2 * d);
-      store_bytes<EB>(base + C::offset(c, page, off, h, d) * EB, v, 0);
+      store_bytes<EB>(base + at.offset(c, h, d) * EB, v, 0);
     }
     group_sync<LN>();  // every read done before the group's next token overwrites the row
   }
@@ -926,8 +929,7 @@ struct Fused {
         if constexpr (kStageVLoop) {
           if (whole) {
             static_assert(NB * P == 16, "staged runs are whole 16-byte vectors");
-            const int64_t page = run_s0 / C::kPageSize;
-            const uint32_t off = static_cast<uint32_t>(run_s0 % C::kPageSize);
+            const SlotAt<C> at(run_s0);
             uint4* stage = smem.u.v_stage + group / P * D;
 #pragma unroll
             for (int j = 0; j < kVec; ++j)
@@ -936,28 +938,26 @@ struct Fused {
 #pragma unroll
             for (int s = 0; s < kVec / P; ++s) {
               const uint32_t d = s * P * LPH + half * LPH + lane;
-              *reinterpret_cast<uint4*>(base + C::offset(a.v_cache, page, off, h, d) * EB) = stage[v_stage_pos(d)];
+              *reinterpret_cast<uint4*>(base + at.offset(a.v_cache, h, d) * EB) = stage[v_stage_pos(d)];
             }
             group_sync<P * LPH>();  // the reads done before the run's next item writes the stage
             continue;
           }
         }
-        const int64_t page = s0 / C::kPageSize;
-        const uint32_t off = static_cast<uint32_t>(s0 % C::kPageSize);
+        const SlotAt<C> at(s0);
 #pragma unroll
         for (int j = 0; j < kVec; ++j)
-          store_bytes<NB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, out[j], 0);
+          store_bytes<NB>(base + at.offset(a.v_cache, h, d0 + j) * EB, out[j], 0);
       } else {
 #pragma unroll
         for (int k2 = 0; k2 < G; ++k2) {
           if (k2 >= n) break;  // the same for the head's lanes
           const int64_t s = shfl<LPH>(slot, k2);
           if (!slot_ok<C>(a.v_cache, s)) continue;
-          const int64_t page = s / C::kPageSize;
-          const uint32_t off = static_cast<uint32_t>(s % C::kPageSize);
+          const SlotAt<C> at(s);
 #pragma unroll
           for (int j = 0; j < kVec; ++j)
-            store_bytes<EB>(base + C::offset(a.v_cache, page, off, h, d0 + j) * EB, w[k2], j * EB);
+            store_bytes<EB>(base + at.offset(a.v_cache, h, d0 + j) * EB, w[k2], j * EB);
         }
       }
     }
@@ -1038,9 +1038,9 @@ int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
       // where the grid still holds a tile of them.
       Dims d = dims;
       d.kv_copies = F::kKvCopies;
-      const int64_t lanes_of_tile = int64_t(d.tile) * lanes_per_token(d.kv_copies);
+      d.lanes_per_token = lanes_per_token(d.kv_copies);
+      const int64_t lanes_of_tile = int64_t(d.tile) * d.lanes_per_token;
       if (blocks * threads >= lanes_of_tile) {
-        d.lanes_per_token = lanes_of_tile / d.tile;
         d.tokens_per_pass = blocks * threads / lanes_of_tile * d.tile;
         dims = d;
       }
