@@ -20,6 +20,17 @@ def test_benchmarks_md_is_rendered_from_the_results(tmp_path):
         "BENCHMARKS.md is stale: run `python benchmarks/report.py`")
 
 
+def test_the_title_names_the_gpus_the_runs_were_made_on(tmp_path):
+    result = json.loads((RESULTS / "h200.json").read_text())
+    (tmp_path / "h100.json").write_text(json.dumps(dict(result, gpu="NVIDIA H100 80GB HBM3")))
+    write_report(tmp_path, tmp_path / "BENCHMARKS.md")
+    assert (tmp_path / "BENCHMARKS.md").read_text().splitlines()[0] == "# Benchmarks (NVIDIA H100 80GB HBM3)"
+    (tmp_path / "h200.json").write_text(json.dumps(result))
+    write_report(tmp_path, tmp_path / "BENCHMARKS.md")
+    assert (tmp_path / "BENCHMARKS.md").read_text().splitlines()[0] == (
+        "# Benchmarks (NVIDIA H100 80GB HBM3, NVIDIA H200)")
+
+
 def test_a_record_without_the_same_bytes_copy_renders_a_dash(tmp_path):
     result = json.loads((RESULTS / "h200.json").read_text())
     rec = dict(result["records"][0])
