@@ -31,6 +31,23 @@ def test_the_title_names_the_gpus_the_runs_were_made_on(tmp_path):
         "# Benchmarks (NVIDIA H100 80GB HBM3, NVIDIA H200)")
 
 
+def test_each_run_shows_its_own_plot(tmp_path):
+    """Every run's section embeds <run>_gbps.png, the plot of that run's records (drawn where
+    matplotlib is installed: the `bench` extra), not only the H200 run's."""
+    result = json.loads((RESULTS / "h200.json").read_text())
+    for name in ("h100", "h200"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    write_report(tmp_path, tmp_path / "BENCHMARKS.md")
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    for name in ("h100", "h200"):
+        assert f"## Run `{name}.json`\n\n![achieved GB/s](benchmarks/results/{name}_gbps.png)\n" in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "h100_gbps.png").stat().st_size > 0 and (tmp_path / "h200_gbps.png").stat().st_size > 0
+
+
 def test_a_record_without_the_same_bytes_copy_renders_a_dash(tmp_path):
     result = json.loads((RESULTS / "h200.json").read_text())
     rec = dict(result["records"][0])
