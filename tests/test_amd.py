@@ -81,7 +81,8 @@ def test_waves_are_64_lanes_and_nothing_spills_to_scratch(assembly):
     _, variants, asm = assembly
     by_uri = {v.uri: v for v in variants}
     for uri, text in asm.items():
-        # one kernel per pipeline depth and lane count the library holds
+        # one kernel per pipeline depth and lane count the library holds (on AMD one set,
+        # with the k_out/index_k_out stores: kvf::launch)
         kernels = MAX_PIPELINE_DEPTH * lane_map_of(by_uri[uri]).max_sub
         assert kernel_metadata(text, "wavefront_size") == ["64"] * kernels, uri
         # No scratch traffic. (A small private segment alone can be the slot LLVM reserves

@@ -332,17 +332,25 @@ def _bad_positions(args, tokens):
     return bad
 
 
+@pytest.mark.parametrize("k_out", [False, True], ids=["", "k_out"])
 @pytest.mark.parametrize("launch", [None, "every"], ids=["tuned", "every-launch"])
 @pytest.mark.parametrize("variant", sample_variants(VARIANTS), ids=lambda v: v.uri)
-def test_out_of_range_positions_write_zeros_and_no_cache(variant, launch):
+def test_out_of_range_positions_write_zeros_and_no_cache(variant, launch, k_out):
     """A token whose position has no cos/sin row writes zeros to its q_out and index_q_out
-    rows and nothing into any cache, V included; its neighbours are written as usual.
-    Outputs and caches are poisoned first (check_against_reference), so a row left alone
-    or a cache element written shows."""
+    rows (and k_out and index_k_out: given, the call runs kernels of their own) and nothing
+    into any cache, V included; its neighbours are written as usual. Outputs and caches
+    are poisoned first (check_against_reference), so a row left alone or a cache element
+    written shows."""
     tokens = V_LOOP_MIN_TOKENS + 37
     niq = 0 if variant.index_mode is IndexMode.NONE else 2
     args = make_inputs(variant, tokens, 8, niq, slots="prefill", pad=3, device="cuda",
                        seed=zlib.crc32(variant.uri.encode()))
+    rows = {}
+    if k_out:
+        rows["k_out"] = args["qkv"].new_empty(tokens, variant.num_kv_heads, variant.head_dim)
+        if variant.index_mode is IndexMode.FULL:
+            rows["index_k_out"] = args["qkv"].new_empty(tokens, variant.head_dim)
+        args.update(rows)
     bad = _bad_positions(args, tokens)
     check = ReferenceCheck(args, ref_device="cuda")
     runs = [lambda **a: fused_qknorm_rope_cache(**a)] if launch is None else [
@@ -351,9 +359,9 @@ def test_out_of_range_positions_write_zeros_and_no_cache(variant, launch):
         check(run)
     got = with_outputs(args)
     fused_qknorm_rope_cache(**got)
-    assert not got["q_out"][bad].view(torch.uint8).any()
-    if niq:
-        assert not got["index_q_out"][bad].view(torch.uint8).any()
+    for name in ("q_out", "index_q_out" if niq else None, *rows):
+        if name:
+            assert not got[name][bad].view(torch.uint8).any(), name
 
 
 def test_vllm_nhd_views_unbound_from_one_allocation():

@@ -99,8 +99,7 @@ KVF_DEVICE void store_bytes(void* p, const uint32_t* w, int at) {
   }
 }
 
-// Whether a slot is in cache c. (Unsigned, with unsigned page arithmetic below, it saved
-// a few instructions but FP8 SHUFFLE spilled more at depth 2: PERF.md, s36.)
+// Whether a slot is in cache c (unsigned, with unsigned pages, FP8 SHUFFLE spilled more: PERF.md s36).
 template <class C>
 KVF_DEVICE bool slot_ok(const kvf_cache_t& c, int64_t slot) {
   return slot >= 0 && slot < c.capacity;
@@ -215,6 +214,12 @@ template <class C>
 KVF_DEVICE void put_scale(const kvf_cache_t& c, int64_t slot, uint32_t h, float scale) {
   if (slot_ok<C>(c, slot)) static_cast<float*>(c.data)[SlotAt<C>(slot).offset(c, h, 0)] = scale;
 }
+
+// A variant's traits for calls with (kKOuts) or without k_out and index_k_out (drop-ins' K in place).
+template <class VT, bool kWithKOuts>
+struct AsCalled : VT {
+  static constexpr bool kKOuts = kWithKOuts;
+};
 
 template <class VT>
 struct Fused {
@@ -351,6 +356,7 @@ struct Fused {
     const int64_t stride = o == kQ ? a.q_out_row_stride : o == kK ? a.k_out_row_stride
                          : o == kIQ ? a.index_q_out_row_stride : o == kIK ? a.index_k_out_row_stride
                                                                           : a.q_fp8_out_row_stride;
+    if ((o == kK || o == kIK) && !VT::kKOuts) return;  // the call gives neither (AsCalled)
     if ((o == kK || o == kIK || (o == kQ && kQFp8)) && !base) return;
     const int64_t e = int64_t(int32_t(t)) * int32_t(stride) + ((o == kIK ? 0 : head) * D + d0);
     store_bytes<kVec * eb>(static_cast<char*>(base) + e * eb, w, 0);
@@ -440,9 +446,8 @@ struct Fused {
   // group holds half of one (8 of a run's 16 tokens), so two groups of a warp take one
   // run's halves (kVPair: unpaired, FP8's runs went unstaged and prefills of 8k-64k
   // tokens were 4-9% slower, PERF.md s30; staged alone, half vectors were no faster). A
-  // bf16/fp16 group is half a vector only at head_dim 32, which no variant lists and no
-  // test runs, so pairs are FP8's alone. Not on AMD
-  // (kStageV): its 32 KB per block would leave a gfx942 CU (64 KB of LDS) one block.
+  // bf16/fp16 group is half a vector only at head_dim 32, which no variant lists: pairs are
+  // FP8's alone. Not on AMD (kStageV): 32 KB a block leaves a gfx942 CU (64 KB) one block.
   static constexpr int kVPair =
       VT::V::kElemBytes == 1 && VT::V::kSlotVec == 2 * kVGroup && 2 * LPH <= 32 ? 2 : 1;
   static constexpr bool kStageVLoop = kStageV && kVRunBytes * kVPair == 16;
@@ -561,7 +566,8 @@ struct Fused {
       m.slot = live && has_slot && t < nslots ? slots[t] : -1;
     };
     auto fetch_cos_sin = [&](Meta<kSub>& m) {
-      m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: write nothing
+      m.pos = m.pos >= 0 && m.pos < a.max_pos ? m.pos : -1;  // no cos/sin row: no cache write
+      m.slot = m.pos >= 0 ? m.slot : -1;
 #pragma unroll
       for (int s = 0; s < kSub; ++s)
         m.cs[s] = needs_cs(s) && m.pos >= 0 ? Rope::load(cos_sin_row(a.cos_sin, m.pos), chunks_of<kSub>(d0, s, lane))
@@ -625,7 +631,7 @@ struct Fused {
       const float kv_inv = 1.0f / kv_scale;
       uint4 x[kChunks];
       pipe.front(x);
-      process<kSub>(a, lane, r, d0, factors, kv_inv, t, x, q[0]);
+      process<kSub, kDepth == 1>(a, lane, r, d0, factors, kv_inv, t, x, q[0]);
 #pragma unroll
       for (int k = 0; k < kMeta; ++k) q[k] = q[k + 1];
       pipe.pop();
@@ -689,7 +695,10 @@ struct Fused {
   // One token of a thread: its chunks x (chunk 2s + i: chunk i of sub-lane s, dims d0).
   // kv_inv: 1 / the thread's store scale (K, V or q's FP8 output); with per-token scales
   // (KvQuant::kDynamic) K's and V's divisors come from the head's amax instead.
-  template <int kSub, class Factors>
+  // A token without a cos/sin row (SPEC §1) writes zeros to its outputs, no cache (slot -1):
+  // kZeroBySelect (depth 1), by the same stores, words selected to zero (as a branch, decodes
+  // ran up to 6% slower); at depth 2 by that branch (selects spilled 48 -> 224 B; PERF.md s41).
+  template <int kSub, bool kZeroBySelect, class Factors>
   static KVF_DEVICE void process(const kvf_args_t& a, int lane, const Role& role, const uint32_t (&d0)[2 * kSub],
                                  const Factors& factors, float kv_inv, int64_t t,
                                  const uint4 (&x)[2 * kSub], const Meta<kSub>& m) {
@@ -698,7 +707,7 @@ struct Fused {
 #pragma unroll
     for (int c = 0; c < 2 * kSub; ++c) unpack8<M>(x[c], f[c / 2][c % 2]);
     if (kind == kV) {
-      if (m.pos < 0 || !slot_ok<typename VT::V>(a.v_cache, m.slot)) return;
+      if (!slot_ok<typename VT::V>(a.v_cache, m.slot)) return;
       const KvFactor k = [&] {
         if constexpr (KvQuant::kDynamic) return token_scale<typename VT::VScale, kSub>(a.v_scale_cache, m.slot, head, lane, f);
         else return kv_inv;
@@ -724,11 +733,14 @@ struct Fused {
       Rope::apply(m.cs[s], cs_row, lane, chunks_of<kSub>(d0, s, lane), f[s]);
     };
     auto store = [&](int s, const KvFactor& k) {  // false: the token writes nothing more
-      if (m.pos < 0) {  // no cos/sin row (SPEC §1): zeros to the outputs, no cache write
-        store_zero_rows<kSub>(a, kind, head, t, d0);
+      if (!kZeroBySelect && m.pos < 0) {
+#pragma unroll
+        for (int s2 = 0; s2 < kSub; ++s2)
+          store_normed(a, kind, head, -1, true, kv_inv, k, t, chunks_of<kSub>(d0, s2, lane).d0, f[s2]);
         return false;
       }
-      store_normed(a, kind, head, m.slot, kv_inv, k, t, chunks_of<kSub>(d0, s, lane).d0, f[s]);
+      const bool zero = kZeroBySelect && m.pos < 0;
+      store_normed(a, kind, head, m.slot, zero, kv_inv, k, t, chunks_of<kSub>(d0, s, lane).d0, f[s]);
       return true;
     };
 #pragma unroll
@@ -740,7 +752,7 @@ struct Fused {
     }
     if constexpr (kWholeHead) {
       KvFactor k = KvQuant::dynamic(0.0f);  // K's (a placeholder elsewhere: no other role's store reads it)
-      if (kind == kK && m.pos >= 0 && slot_ok<typename VT::K>(a.k_cache, m.slot))
+      if (kind == kK && slot_ok<typename VT::K>(a.k_cache, m.slot))
         k = token_scale<typename VT::KScale, kSub>(a.k_scale_cache, m.slot, head, lane, f);
 #pragma unroll
       for (int s = 0; s < kSub; ++s)
@@ -773,33 +785,11 @@ struct Fused {
     store_dims<C>(c, slot, h, d0, w);
   }
 
-  // Zeros in every chunk of the thread's output rows (q_out, q_fp8_out, index_q_out, and
-  // k_out or index_k_out where given): a token without a cos/sin row. Stored as zero words,
-  // not as zeroed values through store_normed: those stayed live beside the rotated ones
-  // and made FP8 variants spill.
-  template <int kSub>
-  static KVF_DEVICE void store_zero_rows(const kvf_args_t& a, int kind, int head, int64_t t,
-                                         const uint32_t (&d0)[2 * kSub]) {
-    const uint32_t zero[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-    for (int c = 0; c < 2 * kSub; ++c) {
-      if (kind == kQ) {
-        put_row<kQ>(a, head, t, d0[c], zero);
-        if constexpr (kQFp8) put_row<kQ8>(a, head, t, d0[c], zero);
-      } else if (kind == kK) {
-        put_row<kK>(a, head, t, d0[c], zero);
-      } else if (kind == kIQ) {
-        put_row<kIQ>(a, head, t, d0[c], zero);
-      } else {
-        put_row<kIK>(a, head, t, d0[c], zero);
-      }
-    }
-  }
-
   // One lane's rotated values y (dims d0[i] ..) to its outputs and caches: q to q_out and
   // q_fp8_out, K and index_k to their caches as the variant quantizes them (and, where
-  // asked, to k_out and index_k_out in the model dtype), index_q to index_q_out.
-  static KVF_DEVICE void store_normed(const kvf_args_t& a, int kind, int head, int64_t slot, float q_inv,
+  // asked, to k_out and index_k_out in the model dtype), index_q to index_q_out; zeros to
+  // the outputs where `zero`, the words zeroed in place (selected into copies, they spilled).
+  static KVF_DEVICE void store_normed(const kvf_args_t& a, int kind, int head, int64_t slot, bool zero, float q_inv,
                                       const KvFactor& k, int64_t t, const uint32_t (&d0)[2],
                                       const float (&y)[2][kVec]) {
 #pragma unroll
@@ -810,11 +800,15 @@ struct Fused {
       // PERF.md, v6.9).
       uint32_t bits[4];
       pack_model<M>(y[i], bits);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bits[j] = zero ? 0u : bits[j];
       if (kind == kQ) {
         put_row<kQ>(a, head, t, d0[i], bits);
         if constexpr (kQFp8) {  // SPEC §1: from the rounded q, saturating
           uint32_t w[2];
           QQuant::template pack<true>(y[i], bits, q_inv, w);
+#pragma unroll
+          for (int j = 0; j < 2; ++j) w[j] = zero ? 0u : w[j];  // whatever the scale
           put_row<kQ8>(a, head, t, d0[i], w);
         }
       } else if (kind == kK) {
@@ -825,6 +819,8 @@ struct Fused {
         constexpr int EB = IndexQuant::kBytes;
         uint32_t w[2 * EB];
         IndexQuant::template pack<false>(y[i], bits, 1.0f, w);  // SPEC §1: FP8 straight from fp32
+#pragma unroll
+        for (int j = 0; j < 2 * EB; ++j) w[j] = zero ? 0u : w[j];
         put_row<kIQ>(a, head, t, d0[i], w);
       } else {
         put_row<kIK>(a, head, t, d0[i], bits);
@@ -1093,7 +1089,11 @@ int launch(const kvf_args_t* a, void* stream) {
   if (a->v_loop < KVF_V_LOOP_DEFAULT || a->v_loop > KVF_V_LOOP_ON) return int(hipErrorInvalidValue);
   const int lanes = a->lanes_per_thread ? a->lanes_per_thread : KVF_DEFAULT_LANES_PER_THREAD;
   if (lanes < 1 || lanes > Fused<VT>::kMaxSub) return int(hipErrorInvalidValue);
-  return launch_depth<VT>(a, stream, a->pipeline_depth ? a->pipeline_depth : KVF_DEFAULT_PIPELINE_DEPTH, lanes);
+  const int depth = a->pipeline_depth ? a->pipeline_depth : KVF_DEFAULT_PIPELINE_DEPTH;
+#ifdef KVF_CUDA  // AMD, whose speed is unmeasured, builds one set (its compile check took twice as long)
+  if (!a->k_out && !a->index_k_out) return launch_depth<AsCalled<VT, false>>(a, stream, depth, lanes);
+#endif
+  return launch_depth<AsCalled<VT, true>>(a, stream, depth, lanes);
 }
 
 }  // namespace kvf
