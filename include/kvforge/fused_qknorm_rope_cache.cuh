@@ -583,12 +583,16 @@ struct Fused {
       for (int c = 0; c < kChunks; ++c) prefetch_l2(row0 + first * a.qkv_row_stride * 2 + at[c]);
       prefetch_l2(a.positions + first);
       if (has_slot && first < nslots) prefetch_l2(slots + first);
-      if (needs_cs(0)) {  // the lane map puts rotary dims first: sub-lane 0 has some if any has
+      // The whole cos/sin row (whichever runs the Rope reads: a sector left out came from DRAM
+      // after the wait, PERF.md s44), a 32-byte sector a lane, an unaligned row's last byte too.
+      constexpr int kRowBytes = R * VT::CosSin::kBytes, kSectors = kRowBytes / 32 + (kRowBytes % 32 ? 2 : 0);
+      if (r.kind != kV && lane < kSectors) {
         const int64_t p = load_l2(a.positions + first);
         if (p >= 0 && p < a.max_pos) {
 #pragma unroll
-          for (int s = 0; s < kSub; ++s)
-            if (needs_cs(s)) Rope::prefetch(cos_sin_row(a.cos_sin, p), chunks_of<kSub>(d0, s, lane));
+          for (int k = 0; k * LN < kSectors; ++k)
+            if (const int j = lane + k * LN; j < kSectors)
+              prefetch_l2(cos_sin_row(a.cos_sin, p) + (kRowBytes % 32 && j * 32 >= kRowBytes ? kRowBytes - 1 : j * 32));
         }
       }
     }
@@ -785,10 +789,9 @@ struct Fused {
     store_dims<C>(c, slot, h, d0, w);
   }
 
-  // One lane's rotated values y (dims d0[i] ..) to its outputs and caches: q to q_out and
-  // q_fp8_out, K and index_k to their caches as the variant quantizes them (and, where
-  // asked, to k_out and index_k_out in the model dtype), index_q to index_q_out; zeros to
-  // the outputs where `zero`, the words zeroed in place (selected into copies, they spilled).
+  // One lane's rotated values y (dims d0[i] ..) to its outputs (zeros where `zero`) and
+  // caches: q to q_out and q_fp8_out, index_q to index_q_out, K and index_k to their caches
+  // as the variant quantizes them (and, where asked, to k_out and index_k_out).
   static KVF_DEVICE void store_normed(const kvf_args_t& a, int kind, int head, int64_t slot, bool zero, float q_inv,
                                       const KvFactor& k, int64_t t, const uint32_t (&d0)[2],
                                       const float (&y)[2][kVec]) {
@@ -800,15 +803,13 @@ struct Fused {
       // PERF.md, v6.9).
       uint32_t bits[4];
       pack_model<M>(y[i], bits);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bits[j] = zero ? 0u : bits[j];
+      zero_if(zero, bits);
       if (kind == kQ) {
         put_row<kQ>(a, head, t, d0[i], bits);
         if constexpr (kQFp8) {  // SPEC §1: from the rounded q, saturating
           uint32_t w[2];
           QQuant::template pack<true>(y[i], bits, q_inv, w);
-#pragma unroll
-          for (int j = 0; j < 2; ++j) w[j] = zero ? 0u : w[j];  // whatever the scale
+          zero_if(zero, w);  // whatever the scale
           put_row<kQ8>(a, head, t, d0[i], w);
         }
       } else if (kind == kK) {
@@ -819,8 +820,7 @@ struct Fused {
         constexpr int EB = IndexQuant::kBytes;
         uint32_t w[2 * EB];
         IndexQuant::template pack<false>(y[i], bits, 1.0f, w);  // SPEC §1: FP8 straight from fp32
-#pragma unroll
-        for (int j = 0; j < 2 * EB; ++j) w[j] = zero ? 0u : w[j];
+        zero_if(zero, w);
         put_row<kIQ>(a, head, t, d0[i], w);
       } else {
         put_row<kIK>(a, head, t, d0[i], bits);

@@ -33,6 +33,14 @@ KVF_DEVICE void pack_model(const float (&f)[kVec], uint32_t (&w)[4]) {
   for (int i = 0; i < 4; ++i) w[i] = M::from_float(f[2 * i]) | (M::from_float(f[2 * i + 1]) << 16);
 }
 
+// A store's words, or zeros where its token has none to store (selected in place: into
+// copies, they spilled).
+template <int N>
+KVF_DEVICE void zero_if(bool zero, uint32_t (&w)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) w[j] = zero ? 0u : w[j];
+}
+
 // Division by a per-token scale s as AITER's per-token quantization divides (IEEE), without
 // a division per value: q0 = f * r with r = 1 / s rounded, the residual q0 s - f by one
 // fma and the correction by another (a multiply and two fmas a value). Markstein's theorem
@@ -146,9 +154,9 @@ struct RmsNorm {
 // ---- Rope -----------------------------------------------------------------------------
 // A policy rotates one lane's two chunks (Chunks: their first dims and whether they hold
 // rotary dims, from the lane map) at a position whose cos/sin row it loaded ahead (Raw,
-// left in flight until apply): Raw load(row, ch), prefetch(row, ch) into L2, apply(raw,
-// row, lane, ch, n) in place. A row is [cos | sin], R values each half R/2. Each output
-// is one fma of its first product (the reference rounds the same way).
+// left in flight until apply): Raw load(row, ch), apply(raw, row, lane, ch, n) in place.
+// A row is [cos | sin], R values each half R/2. Each output is one fma of its first
+// product (the reference rounds the same way).
 struct Chunks {
   uint32_t d0[2];
   bool rot[2];
@@ -212,13 +220,6 @@ struct NeoxRope {
     }
     return r;
   }
-  static KVF_DEVICE void prefetch(const char* row, const Chunks& ch) {
-    if (!kExchange && ch.rot[0]) {
-      prefetch_l2(row + ch.d0[0] * CS::kBytes);
-      prefetch_l2(row + (HALF + ch.d0[0]) * CS::kBytes);
-    }
-  }
-
   static KVF_DEVICE void apply(const Raw& r, const char* row, int lane, const Chunks& ch,
                                float (&n)[2][kVec]) {
     if constexpr (!kExchange) {
@@ -279,13 +280,6 @@ struct GptjRope {
     }
     return r;
   }
-  static KVF_DEVICE void prefetch(const char* row, const Chunks& ch) {
-    if (kVectors && ch.rot[0]) {
-      prefetch_l2(row + ch.d0[0] / 2 * CS::kBytes);
-      prefetch_l2(row + (HALF + ch.d0[0] / 2) * CS::kBytes);
-    }
-  }
-
   static KVF_DEVICE void apply(const Raw& r, const char* row, int, const Chunks& ch, float (&n)[2][kVec]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
