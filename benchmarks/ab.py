@@ -21,7 +21,6 @@ else is this checkout's: the variants and inputs, the reference check, the launc
 runtime, whose ABI the libraries must have (one that fails its load check is named with its
 set and variant before any timing). So a change that rewrites the kernel is judged against
 the commit before it in one run:
-So a change that rewrites the kernel is judged against the commit before it in one run:
 
     mkdir -p .device/old && git archive HEAD~1 | tar -x -C .device/old
     python benchmarks/ab.py --sets "old=@.device/old;new=" --cases m3:1:1024,fp8:8:8192
