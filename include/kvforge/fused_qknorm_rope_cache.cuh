@@ -1,6 +1,5 @@
 // The fused MiniMax-M3 attention prologue (SPEC §1-§3): one memory schedule for every
-// variant, its math the policies a variant's traits select (policies.cuh: Norm, Rope,
-// Quant).
+// variant, its math the policies its traits select (policies.cuh: Norm, Rope, Quant).
 //
 // A generated source defines a traits struct (constants, the policies, the lane map and
 // the contract's cache offset functions) and instantiates `kvf::launch<Traits>`. Nothing in
@@ -130,16 +129,15 @@ KVF_DEVICE void store_dims(const kvf_cache_t& c, int64_t slot, uint32_t h, uint3
 }
 
 // A thread's 16-byte row chunks per token (two per head lane), requested one token ahead
-// of its math (two ahead gained nothing at two blocks per SM and lost at three: bytes in
-// flight are not what limits the loop, PERF.md v6.8): fill(k, ...) loads those of the
+// of its math (two ahead gained nothing, PERF.md v6.8): fill(k, ...) loads those of the
 // token k steps ahead (the prologue's 0, then 1 in each iteration) and close() ends every
 // token's request; front() gives the token being computed, pop() ends its iteration.
 // With asynchronous copies (NVIDIA sm_80+) the chunks wait in a shared-memory ring of two
-// stages and hold no registers in flight; a stage is refilled one iteration after its
-// reads were consumed (the norm's shuffles, the stores) or never used, so no copy
-// overtakes a read that matters. Elsewhere (AMD, whose copy into LDS is a load and then a
-// store, so it would wait for each row) they wait in registers, a FIFO shifted at pop():
-// a load stays in flight through one token's math.
+// stages, no registers in flight; a stage is refilled one iteration after its reads were
+// consumed (the norm's shuffles, the stores) or never used: no copy overtakes a read.
+// Elsewhere (AMD, whose copy into LDS is a load and then a store, so it would wait for
+// each row) they wait in registers, a FIFO shifted at pop(): a load stays in flight
+// through one token's math.
 template <int kSub>
 struct RowPipe {
   static constexpr int kChunks = 2 * kSub;  // a thread's chunks per token
@@ -158,7 +156,9 @@ struct RowPipe {
     async_commit();  // one group per token, filled or not, so the waits count tokens
     put ^= 1;
   }
+  template <bool kSync>  // a sync of the active threads first: see main_loop
   KVF_DEVICE void front(uint4 (&x)[kChunks]) {
+    if constexpr (kSync) __syncwarp(__activemask());
     async_wait<1>();  // this token's group has landed
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) x[c] = ring[get][c * kThreadsOf<kSub> + threadIdx.x];
@@ -172,6 +172,7 @@ struct RowPipe {
     for (int c = 0; c < kChunks; ++c) fifo[k][c] = *reinterpret_cast<const uint4*>(p + at[c]);
   }
   KVF_DEVICE void close() {}
+  template <bool>
   KVF_DEVICE void front(uint4 (&x)[kChunks]) {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) x[c] = fifo[0][c];
@@ -603,8 +604,7 @@ struct Fused {
       if (w) prefetch_l2(w + threadIdx.x % kWeightLines * 128);
     }
     // Launched as a dependent of the previous kernel (see fused_kernel): past this, its
-    // writes are visible. Everything above, overlapping its tail, is arithmetic on the
-    // arguments and the L2 prefetches.
+    // writes are visible; all above (arguments, L2 prefetches) overlaps its tail.
     wait_prior_grid();
     request_rows(0);
     Meta<kSub> q[kMeta + 1];  // q[k]: the token k steps ahead of the one being computed
@@ -628,13 +628,13 @@ struct Fused {
 #if KVF_SPLIT_BARRIER
       if (meet_barrier) split_barrier();  // the norm factors' (see the loop)
 #endif
-      // The scale's reciprocal (loop-invariant: hoisted where there is a loop) after this
-      // token's loads in source order. Ahead of them it held the cos/sin load back until
-      // the scale came; where it is used, in process, it was slower than here (PERF.md,
-      // v6.13).
+      // The scale's reciprocal (loop-invariant, hoisted) after the loads in source order:
+      // ahead, it held the cos/sin back; in process it was slower (PERF.md, v6.13).
       const float kv_inv = 1.0f / kv_scale;
       uint4 x[kChunks];
-      pipe.front(x);
+      // A warp sync (no other effect) ptxas moves no load past: without it bf16 GPT-J loads
+      // a weight into the position's scoreboard (PERF.md s45); FP8 lost 1-5% with it (s46).
+      pipe.template front<!kKvFp8>(x);
       process<kSub, kDepth == 1>(a, lane, r, d0, factors, kv_inv, t, x, q[0]);
 #pragma unroll
       for (int k = 0; k < kMeta; ++k) q[k] = q[k + 1];
