@@ -632,8 +632,8 @@ struct Fused {
       // ahead, it held the cos/sin back; in process it was slower (PERF.md, v6.13).
       const float kv_inv = 1.0f / kv_scale;
       uint4 x[kChunks];
-      // A warp sync (no other effect) ptxas moves no load past: without it bf16 GPT-J loads
-      // a weight into the position's scoreboard (PERF.md s45); FP8 lost 1-5% with it (s46).
+      // A warp sync (no other effect) ptxas moves no load past: without it SHUFFLE's GPT-J put
+      // a weight load in the position's scoreboard (PERF.md s45); FP8 gained nothing (s46).
       pipe.template front<!kKvFp8>(x);
       process<kSub, kDepth == 1>(a, lane, r, d0, factors, kv_inv, t, x, q[0]);
 #pragma unroll
