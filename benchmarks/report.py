@@ -71,13 +71,14 @@ def of_same_bytes(r: dict) -> float | None:
 # and tokens in the run: (target, configuration, the one it is held to, whether it meets it,
 # the figures shown for a miss).
 BF16, FP8, PER_TOKEN = "vllm_shuffle16 bf16", "vllm_shuffle16 fp8", "vllm_shuffle16 fp8 per-token"
+FP8_Q = "vllm_shuffle16 bf16 + fp8 q"
 PAIR_TARGETS = (
     ("per-token FP8 within 5% of per-tensor FP8 (µs)", PER_TOKEN, FP8,
      lambda r, o: r["us"] <= 1.05 * o["us"], lambda r, o: f"{r['us']:.2f} vs {o['us']:.2f} µs"),
     *((f"{name} within 5 points of bf16 SHUFFLE (% of the same-bytes copy)", name, BF16,
        lambda r, o: of_same_bytes(r) is not None and of_same_bytes(o) is not None
        and of_same_bytes(r) >= of_same_bytes(o) - 5,
-       lambda r, o: f"{_fmt(of_same_bytes(r))}% vs {_fmt(of_same_bytes(o))}%") for name in (FP8, PER_TOKEN)),
+       lambda r, o: f"{_fmt(of_same_bytes(r))}% vs {_fmt(of_same_bytes(o))}%") for name in (FP8, PER_TOKEN, FP8_Q)),
 )
 
 

@@ -48,6 +48,15 @@ def test_each_run_shows_its_own_plot(tmp_path):
     assert (tmp_path / "h100_gbps.png").stat().st_size > 0 and (tmp_path / "h200_gbps.png").stat().st_size > 0
 
 
+def test_every_fp8_configuration_of_the_bench_is_held_to_bf16_shuffle():
+    """Issue 37 asks every FP8 mode (KV cache or query output) within 5 points of bf16
+    SHUFFLE: a new FP8 configuration of the bench is reported against it too."""
+    from benchmarks.bench import CONFIGS
+    from benchmarks.report import BF16, PAIR_TARGETS
+
+    assert {name for _, name, other, *_ in PAIR_TARGETS if other == BF16} == {n for n in CONFIGS if "fp8" in n}
+
+
 def test_a_record_without_the_same_bytes_copy_renders_a_dash(tmp_path):
     result = json.loads((RESULTS / "h200.json").read_text())
     rec = dict(result["records"][0])
