@@ -21,7 +21,7 @@ style's to say:
   NeoX's) read half sectors per instruction: 20% slower (PERF.md s30).
 
 This module is the only statement of the map: the reference sums squares in `dims`'
-order, and render.py emits `chunk` and `rotary_lanes` into each variant's traits
+order, and render.py emits `chunk`, `rotary_lanes` and `rotary_step` into each variant's traits
 (Traits::Lanes), which the kernel header reads and never restates.
 """
 from __future__ import annotations
@@ -78,6 +78,16 @@ class LaneMap:
                 if (self.chunks[l][i] * VEC < self.rotary_dim) != (l < out[i]):
                     raise AssertionError(f"lane map {self.chunks}: rotary chunks not on the first lanes")
         return out
+
+    @cached_property
+    def rotary_step(self) -> int:
+        """Dims from chunk 0 to chunk 1 of each lane whose chunk 1 holds rotary dims, the
+        same for all of them: a rope policy addresses both chunks' cos/sin from chunk 0's
+        (one address, compile-time offsets)."""
+        steps = {c1 - c0 for c0, c1 in self.chunks[:max(1, self.rotary_lanes[1])]}
+        if len(steps) != 1:
+            raise AssertionError(f"lane map {self.chunks}: rotary lanes' chunks {sorted(steps)} apart")
+        return steps.pop() * VEC
 
     @cached_property
     def segments(self) -> tuple[Segment, ...]:

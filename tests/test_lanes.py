@@ -30,6 +30,8 @@ def test_every_lane_map_holds_each_chunk_once_and_the_emitted_code_is_the_map(ro
         first = m.rotary_lanes  # proven in LaneMap (it raises otherwise); restated here
         for l, i in itertools.product(range(m.lanes), range(2)):
             assert (m.chunks[l][i] * VEC < r) == (l < first[i]), (d, r, l, i)
+        # a rope policy reads chunk 1's cos/sin rotary_step dims after chunk 0's
+        assert all(c1 * VEC == c0 * VEC + m.rotary_step for c0, c1 in m.chunks[:first[1]]), (d, r)
 
 
 @pytest.mark.parametrize("d,r", [(128, 64), (128, 48), (256, 128), (64, 16)])
@@ -85,3 +87,4 @@ def test_generated_traits_carry_the_map():
     assert f"static KVF_DEVICE int chunk(int lane, int i) {{ return {m.chunk_cpp()}; }}" in src
     assert f"return i ? {m.rotary_lanes[1]} : {m.rotary_lanes[0]};" in src
     assert f"kMaxSub = {m.max_sub};" in src
+    assert f"kRotaryStep = {m.rotary_step};" in src and m.rotary_step == 4 * VEC

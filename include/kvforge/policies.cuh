@@ -255,26 +255,37 @@ struct NeoxRope {
 
 // GPT-J: pairs (2i, 2i + 1) at c_i, s_i: y_2i = n_2i c_i - n_2i+1 s_i, y_2i+1 = n_2i+1 c_i
 // + n_2i s_i. A pair never leaves its chunk, so each chunk rotates on its own, its 4 cos
-// and 4 sin values loaded as two vectors. A rotary dim that is not a multiple of 8 ends
-// inside a chunk and leaves the sin half unaligned: cos/sin then come value by value.
+// and 4 sin values loaded as two vectors. Chunk 1 of a rotary lane starts kRotaryStep dims
+// after chunk 0 (the lane map), so all four loads take one address and constant offsets,
+// and where a lane rotates both chunks or neither (kTogether), one test guards them, as
+// NeoX's two. A rotary dim that is not a multiple of 8 ends inside a chunk and leaves the
+// sin half unaligned: cos/sin then come value by value.
 template <class VT>
 struct GptjRope {
   using CS = typename VT::CosSin;
+  using Lanes = typename VT::Lanes;
   static constexpr int R = VT::kRotaryDim, HALF = R / 2;
   static constexpr bool kVectors = R % kVec == 0;
+  static constexpr bool kTogether = Lanes::rotary_lanes(0) == Lanes::rotary_lanes(1);
+  static constexpr int kStepBytes = Lanes::kRotaryStep / 2 * CS::kBytes, kSinBytes = HALF * CS::kBytes;
   struct Pairs {
     CsRun<CS, kVec / 2> c[2], s[2];
   };
   using Raw = std::conditional_t<kVectors, Pairs, NoCosSin>;
 
+  // Chunk i rotates: chunk 1 holds rotary dims only where chunk 0 does (they are a prefix).
+  static KVF_DEVICE bool rotates(const Chunks& ch, int i) { return kTogether ? ch.rot[0] : ch.rot[i]; }
+
   static KVF_DEVICE Raw load(const char* row, const Chunks& ch) {
     Raw r{};
     if constexpr (kVectors) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        if (ch.rot[i]) {
-          r.c[i].load(row + ch.d0[i] / 2 * CS::kBytes);
-          r.s[i].load(row + (HALF + ch.d0[i] / 2) * CS::kBytes);
+      const char* p = row + ch.d0[0] / 2 * CS::kBytes;
+      if (ch.rot[0]) {
+        r.c[0].load(p);
+        r.s[0].load(p + kSinBytes);
+        if (rotates(ch, 1)) {
+          r.c[1].load(p + kStepBytes);
+          r.s[1].load(p + kStepBytes + kSinBytes);
         }
       }
     }
@@ -283,7 +294,7 @@ struct GptjRope {
   static KVF_DEVICE void apply(const Raw& r, const char* row, int, const Chunks& ch, float (&n)[2][kVec]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      if (!ch.rot[i]) continue;
+      if (!rotates(ch, i)) continue;
 #pragma unroll
       for (int k = 0; k < kVec / 2; ++k) {
         float c, s;
