@@ -447,7 +447,7 @@ def test_the_compacted_table_picks_every_launch_the_old_one_did():
     compacted (fa89dab, 3031 lines with its measured times), for every variant it lists at
     the token counts named there (each range's last count and the one after it among them),
     per GPU: the runtime reads the compacted table to the same launches. Variants tuned
-    since (per-token FP8 on the H200, s51) are the table's own, beyond the fixture."""
+    since (per-token FP8 on the H200) are the table's own, beyond the fixture."""
     fixture = json.loads((ROOT / "tests" / "tuning_picks_h200.json").read_text())
     variants = {v.uri: v for v in spec().variants}
     for device, by_uri in fixture["picks"].items():
