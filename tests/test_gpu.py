@@ -1,7 +1,10 @@
 """Every variant in variants.yaml against the reference on the GPU (SPEC §6)."""
 import dataclasses
 import functools
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -320,6 +323,41 @@ def test_out_of_range_slots_and_positions_are_guarded():
     args["positions"][1] = args["cos_sin_cache"].shape[0] + 3
     stats = check_against_reference(args, fused_qknorm_rope_cache)
     assert stats["q_out"]["addressed"] == 16 * 8 * v.head_dim  # the bad position's row: zeros
+
+
+# Run apart (a trap leaves the process's CUDA context unusable): one call as made, then
+# the same call with one cache descriptor's memory taken away; no token has a slot, so
+# only the kernel's check of its arguments (Fused::check_args) can stop the second.
+_BROKEN_DESCRIPTOR = """
+import torch
+from kvforge.runtime.api import launch_with
+from kvforge.runtime.registry import spec
+from kvforge.runtime.testing import make_inputs, with_outputs
+from kvforge.runtime.tuning import Launch
+v = next(v for v in spec().variants if v.uri == {uri!r})
+args = make_inputs(v, 4, 8, 2, slots="decode", pad=4, device="cuda", seed=1)
+call = launch_with(Launch(1, 2, 0), **with_outputs(args))
+call()
+torch.cuda.synchronize()
+print("intact call ran", flush=True)
+getattr(call.args[1], {cache!r}).data = None
+call()
+torch.cuda.synchronize()
+print("broken call ran", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kv_scale, index_dtype, cache", [("none", "model", "k_cache"),
+                                                          ("per_token_head", "fp8", "v_scale_cache")])
+def test_a_cache_descriptor_with_slots_but_no_memory_traps(kv_scale, index_dtype, cache):
+    """The kernel reads its cache descriptors before its wait, in a check that a cache
+    with slots has memory: such a call fails, even one that writes no cache."""
+    v = _seed_variant(kv_scale=kv_scale, index_dtype=index_dtype)
+    proc = subprocess.run([sys.executable, "-c", _BROKEN_DESCRIPTOR.format(uri=v.uri, cache=cache)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert "intact call ran" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "broken call ran" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "CUDA error" in proc.stderr, proc.stderr[-3000:]
 
 
 def _bad_positions(args, tokens):

@@ -603,6 +603,7 @@ struct Fused {
       const char* w = norm_weight(a, k);
       if (w) prefetch_l2(w + threadIdx.x % kWeightLines * 128);
     }
+    check_args(a);
     // Launched as a dependent of the previous kernel (see fused_kernel): past this, its
     // writes are visible; all above (arguments, L2 prefetches) overlaps its tail.
     wait_prior_grid();
@@ -694,6 +695,21 @@ struct Fused {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) shared.d0[c] = d0[c];
     for (int64_t t = first; t < a.num_tokens; t += stride) step(t, shared, KVF_SPLIT_BARRIER && t == first);
+  }
+
+  // The arguments are in the constant bank, which an SM caches a line at a time where it
+  // first reads one: a line first read after the wait is a round trip on the token's path
+  // (per-token scale caches' descriptors, read after the amax: PERF.md s53). So before the
+  // wait every thread reads the lines the schedule reads late, the caches' descriptors and
+  // the q outputs, in a check of what the host never passes (a cache with slots but no
+  // memory, q written nowhere): unused, ptxas would drop the reads.
+  static KVF_DEVICE void check_args(const kvf_args_t& a) {
+    auto broken = [](const kvf_cache_t& c) { return c.capacity > 0 && c.data == nullptr; };
+    bool bad = false;
+    if constexpr (KvQuant::kDynamic) bad = broken(a.k_scale_cache) || broken(a.v_scale_cache);
+    bad = bad || broken(a.k_cache) || broken(a.v_cache) || broken(a.index_cache) ||
+          (a.q_out == nullptr && a.q_fp8_out == nullptr);
+    if (bad) trap();
   }
 
   // One token of a thread: its chunks x (chunk 2s + i: chunk i of sub-lane s, dims d0).

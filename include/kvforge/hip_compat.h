@@ -91,6 +91,15 @@ KVF_DEVICE void group_sync() {
 #endif
 }
 
+// Ends the kernel with an error (its launch fails), for arguments the host never passes.
+KVF_DEVICE void trap() {
+#ifdef KVF_CUDA
+  __trap();
+#else
+  __builtin_trap();
+#endif
+}
+
 // ---- programmatic dependent launch (NVIDIA sm_90+) ------------------------------------
 // A kernel launched with it may start while the previous kernel of the stream still runs.
 // wait_prior_grid() returns once that kernel has finished and its writes are visible, so
