@@ -7,7 +7,7 @@ For trying a change to the kernel header behind a macro before it is made for go
 set names a build (`name=` and its definitions, comma-separated; the first set is the
 baseline), each case a configuration of bench.py (m3, sglang, shuffle, fp8, fp8t: per-token
 FP8, shuffleq: bf16 with the FP8 query output; a trailing j: with GPT-J rotary), a TP and a
-token count, and optionally a launch (depth:tile:v_loop:lanes; default: the tuned one).
+token count, and optionally a launch (depth:tile:v_loop:lanes[:groups]; default: the tuned one).
 Every build's launch of a case is checked against the reference (except a set named in
 --unchecked: an ablation, which drops work on purpose), then timed as bench.py times the
 op (CUDA-graph replay, inputs rotated past L2), the sets in turn and in reverse
@@ -105,10 +105,11 @@ def parse_sets(text: str) -> dict[str, BuildSet]:
 
 
 def parse_case(text: str) -> Case:
-    """"m3:1:1024" or "fp8:8:8192:1:4:1:2" (depth:tile:v_loop:lanes)."""
+    """"m3:1:1024", "fp8:8:8192:1:4:1:2" (depth:tile:v_loop:lanes) or "fp8t:8:65536:1:4:2:2:4"
+    (and K/V groups)."""
     fields = text.split(":")
-    if len(fields) not in (3, 7):
-        raise ValueError(f"--cases: expected config:tp:tokens[:depth:tile:v_loop:lanes], got {text!r}")
+    if len(fields) not in (3, 7, 8):
+        raise ValueError(f"--cases: expected config:tp:tokens[:depth:tile:v_loop:lanes[:groups]], got {text!r}")
     if fields[0] not in CONFIG_NAMES:
         raise ValueError(f"--cases: {text}: config {fields[0]!r} is not one of {', '.join(CONFIG_NAMES)}")
     try:
@@ -165,7 +166,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", required=True,
                     help='builds: "name=DEF,DEF;name2=@DIR[:DEF,...];..." (the first: the baseline)')
-    ap.add_argument("--cases", required=True, help="config:tp:tokens[:depth:tile:v_loop:lanes],...")
+    ap.add_argument("--cases", required=True, help="config:tp:tokens[:depth:tile:v_loop:lanes[:groups]],...")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="", help="where the times go as JSON (none: printed only)")
     ap.add_argument("--unchecked", default="",

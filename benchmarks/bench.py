@@ -231,6 +231,7 @@ def run_case(v, tp: int, tokens: int, peers: list[str], compiled: dict, compile_
         "identical_min": identical,
         "pipeline_depth": launch.depth, "tokens_per_tile": launch.tile, "lanes_per_thread": launch.lanes,
         "v_written": {V_LOOP_ON: "V loop", V_LOOP_OFF: "main loop"}.get(launch.v_loop),
+        "kv_groups": launch.groups or None,  # none where K/V have no per-token scales
         "us": graph_us(ours),
         "us_event_per_call": statistics.median(events_ms(ours[0], 30)) * 1e3,
     }

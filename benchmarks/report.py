@@ -134,10 +134,11 @@ def _run_section(name: str, result: dict) -> list[str]:
         "thread, launched as the op is) reading half the case's bytes and writing the other "
         "half, rotating as many buffers, timed the same way; % of it = its µs / ours: how close "
         "a case is to what moving its bytes costs at that size",
-        "- depth, tile, lanes, V: the main loop's pipeline depth, its tokens per tile (times "
-        "lanes), its head lanes per thread, and where a transposed V is written (the V loop or "
-        "the main loop; – where V is not transposed), as the runtime picked them from `tuning/` "
-        "(made by `benchmarks/tune.py`)",
+        "- depth, tile, lanes, V, K/V groups: the main loop's pipeline depth, its tokens per tile "
+        "(times lanes), its head lanes per thread, where a transposed V is written (the V loop or "
+        "the main loop; – where V is not transposed), and the groups of threads a K/V head's "
+        "tokens are dealt to in a call of several passes (– where K/V have no per-token scales), "
+        "as the runtime picked them from `tuning/` (made by `benchmarks/tune.py`)",
         *([f"- launch floor (a one-element torch `add_` timed the same way, no dependent launch): "
            f"**{result['launch_floor_us']:.2f} µs** per call"] if "launch_floor_us" in result else []),
         f"- host overhead per eager call: **{result['host_overhead_us']:.1f} µs** "
@@ -157,15 +158,18 @@ def _run_section(name: str, result: dict) -> list[str]:
     recs = result["records"]
     for config in dict.fromkeys(r["config"] for r in recs):
         lines += [f"### {config}", "",
-                  "| TP | tokens | slots | depth | tile | lanes | V | µs (graph) | µs (event, 1 call) | GB/s "
-                  "| % copy | same-bytes copy µs | % of it | eager µs | compile µs | × eager | × compile |",
-                  "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| TP | tokens | slots | depth | tile | lanes | V | K/V groups | µs (graph) | µs (event, 1 call) "
+                  "| GB/s | % copy | same-bytes copy µs | % of it | eager µs | compile µs | × eager | × compile |",
+                  "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in (r for r in recs if r["config"] == config):
             e, c, s = r.get("eager_us"), r.get("compile_us"), r.get("copy_same_bytes_us")
             lines.append(
                 f"| {r['tp']} | {r['tokens']} | {r['slots']} | {r['pipeline_depth']} | {r['tokens_per_tile']} | "
-                # records from before ABI 7 ran one lane per thread
-                f"{r.get('lanes_per_thread', 1)} | {r.get('v_written') or '–'} | {r['us']:.2f} | {r['us_event_per_call']:.1f} | "
+                # records from before ABI 7 ran one lane per thread; from before launch ABI 8,
+                # per-token K/V heads in two groups
+                f"{r.get('lanes_per_thread', 1)} | {r.get('v_written') or '–'} | "
+                f"{r.get('kv_groups', 2 if r['kv'] == 'per_token_head' else None) or '–'} | "
+                f"{r['us']:.2f} | {r['us_event_per_call']:.1f} | "
                 f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | {_fmt(s, '.2f')} | {_fmt(100 * s / r['us'] if s else None)} | "
                 f"{_fmt(e)} | {_fmt(c)} | "
                 f"{_fmt(e / r['us'] if e else None)} | {_fmt(c / r['us'] if c else None)} |")

@@ -1,5 +1,6 @@
 """Tune the launch (pipeline depth, tokens per tile, where a transposed V is written, head
-lanes per thread) per variant and token range on this GPU.
+lanes per thread, groups per K/V head with per-token scales) per variant and token range on
+this GPU.
 
     python benchmarks/tune.py [--name h200] [--tokens 1,16,128,512,1024,2048,4096,8192,32768,65536]
                               [--all] [--filter GLOB] [--exclude GLOB] [--resume] [--budget-s S]
@@ -13,7 +14,11 @@ KVF_MAX_TOKENS_PER_TILE) and every count of head lanes per thread the variant ha
 (codegen/lanes.py: LaneMap.max_sub), and for a transposed V (SHUFFLE) with V in the
 main loop and in the V loop, is checked against the reference, then timed under CUDA-graph
 replay with inputs rotated past L2, as bench.py times (decode slots up to 256 tokens,
-prefill above). It is timed at each TP of bench.py the variant serves (4 kv heads: TP1's
+prefill above). Where the variant's K/V heads have per-token scales, that sweep runs at the
+default count of groups per K/V head, and the launches within --confirm-within of its best
+(the finalists below; 5% where that is 0) are timed at every other count too: the count
+changes only how a K/V head's tokens are dealt to threads, so it is tried on the launches
+that could win, not multiplied into the sweep. It is timed at each TP of bench.py the variant serves (4 kv heads: TP1's
 64, 4, 4 heads; 1 kv head: TP4's 16, 1, 1 and TP8's 8, 1, 1), since the table, keyed by
 token count alone, gives them one launch: the launch chosen is the one whose worst
 slowdown over those TPs is smallest, and one other than the library's defaults only when
@@ -74,17 +79,17 @@ from kvforge.codegen.layout import v_transposed  # noqa: E402
 from kvforge.codegen.model import IndexMode, select  # noqa: E402
 from kvforge.codegen.paths import TUNED  # noqa: E402
 from kvforge.runtime import build, toolchain  # noqa: E402
-from kvforge.runtime.abi import (LAUNCH_ABI, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT,  # noqa: E402
-                         V_LOOP_OFF, V_LOOP_ON)
+from kvforge.runtime.abi import (KV_GROUPS, LAUNCH_ABI, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE,  # noqa: E402
+                                 V_LOOP_DEFAULT, V_LOOP_OFF, V_LOOP_ON)
 from kvforge.runtime.api import launch_with  # noqa: E402
 from kvforge.runtime.registry import source_of, spec  # noqa: E402
 from kvforge.runtime.testing import ReferenceCheck  # noqa: E402
-from kvforge.runtime.tuning import DEFAULT, Launch, parse  # noqa: E402
+from kvforge.runtime.tuning import DEFAULT, Launch, parse, splits_kv  # noqa: E402
 
 MARGIN = 0.02
-# The layout of measured_us (2: µs by launch per pattern, "tp8" or "tp8-decode"); --resume
-# takes no partial of another.
-TUNER_FORMAT = 2
+# The layout of measured_us (3: µs by launch per pattern, "tp8" or "tp8-decode", launches
+# keyed with their K/V groups); --resume takes no partial of another.
+TUNER_FORMAT = 3
 # The table is keyed by token count alone, so one launch serves a count whatever its
 # slots. Decode batches this large are plausible (an engine's decode step has up to
 # max_num_seqs tokens, each in its own page), and there V in the main loop was 1.3-2.6x
@@ -94,12 +99,24 @@ DECODE_MAX_TOKENS = 4096
 CONFIRM_WITHIN = 0.05
 
 
-def launches(v) -> list[Launch]:
-    """Every launch the variant's library distinguishes."""
+def sweep(v) -> list[Launch]:
+    """Every launch the variant's library distinguishes at the default K/V groups."""
     places = (V_LOOP_OFF, V_LOOP_ON) if v_transposed(v) else (V_LOOP_DEFAULT,)
     lanes = range(1, lane_map_of(v).max_sub + 1)
-    return [Launch(d, t, p, n) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in TOKENS_PER_TILE for p in places
-            for n in lanes]
+    groups = DEFAULT.resolved(1, v).groups
+    return [Launch(d, t, p, n, groups) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in TOKENS_PER_TILE
+            for p in places for n in lanes]
+
+
+def regrouped(v, candidates: list[Launch]) -> list[Launch]:
+    """The candidates at every other count of K/V groups the variant's library takes (none
+    where it has no per-token K/V scales)."""
+    return [c._replace(groups=g) for c in candidates for g in KV_GROUPS if splits_kv(v) and g != c.groups]
+
+
+def launches(v) -> list[Launch]:
+    """Every launch the variant's library distinguishes."""
+    return [*sweep(v), *regrouped(v, sweep(v))]
 
 
 def tps(v) -> list[int]:
@@ -110,9 +127,9 @@ def tps(v) -> list[int]:
 
 
 def launches_per_count(v) -> int:
-    """Launches a count's sweep times (the confirm round and decodes aside): --budget-s's
-    estimate is seconds per such launch, a count's whole time over them."""
-    return len(launches(v)) * len(tps(v))
+    """Launches a count's sweep times (the K/V groups' and confirm rounds and decodes aside):
+    --budget-s's estimate is seconds per such launch, a count's whole time over them."""
+    return len(sweep(v)) * len(tps(v))
 
 
 def time_launches(v, tokens: int, candidates: list[Launch], tp: int,
@@ -163,13 +180,19 @@ def finalists(patterns: Patterns, current: Launch, within: float) -> list[Launch
 
 
 def measure_count(v, tokens: int, confirm_within: float) -> dict[str, dict[str, float]]:
-    """µs by launch key (`_key`) per pattern: every launch at each of the variant's TPs
-    ("tp8", slots as bench.py sets them), the `finalists` within `confirm_within` timed
-    again (new buffers, reverse order) keeping each one's faster time; where V is
-    transposed and the count may be a decode, also the prefills' pick and the other V
-    place's best with decode slots ("tp8-decode"), timed once."""
-    current = DEFAULT.resolved(tokens, v_transposed(v))
-    prefill = {f"tp{tp}": time_launches(v, tokens, launches(v), tp) for tp in tps(v)}
+    """µs by launch key (`_key`) per pattern: the sweep at each of the variant's TPs ("tp8",
+    slots as bench.py sets them), its `finalists` within `confirm_within` (or
+    CONFIRM_WITHIN where that is 0) at the other K/V group counts (`regrouped`), then the
+    finalists of all those within `confirm_within` timed again (new buffers, reverse order)
+    keeping each one's faster time; where V is transposed and the count may be a decode,
+    also the prefills' pick and the other V place's best with decode slots ("tp8-decode"),
+    timed once."""
+    current = DEFAULT.resolved(tokens, v)
+    prefill = {f"tp{tp}": time_launches(v, tokens, sweep(v), tp) for tp in tps(v)}
+    more = regrouped(v, finalists(prefill, current, confirm_within or CONFIRM_WITHIN))
+    if more:
+        for tp in tps(v):
+            prefill[f"tp{tp}"].update(time_launches(v, tokens, more, tp))
     again = finalists(prefill, current, confirm_within) if confirm_within > 0 else []
     if len(again) > 1:
         for tp in tps(v):
@@ -179,7 +202,8 @@ def measure_count(v, tokens: int, confirm_within: float) -> dict[str, dict[str, 
     out = {name: {_key(launch): us for launch, us in times.items()} for name, times in prefill.items()}
     if v_transposed(v) and DECODE_UP_TO < tokens <= DECODE_MAX_TOKENS:
         first = choose(prefill, current)
-        other = min((x for x in launches(v) if x.v_loop != first.v_loop), key=lambda x: (worst(prefill, x), x))
+        other = min((x for x in _timed_in_every(prefill) if x.v_loop != first.v_loop),
+                    key=lambda x: (worst(prefill, x), x))
         for tp in tps(v):
             out[f"tp{tp}-decode"] = {_key(launch): us for launch, us in
                                      time_launches(v, tokens, [first, other], tp, "decode").items()}
@@ -192,16 +216,16 @@ def pick(v, tokens: int, measured: dict[str, dict[str, float]]) -> Launch:
     place over prefills and decodes where decodes were timed."""
     patterns = {name: {_launch(key): us for key, us in times.items()} for name, times in measured.items()}
     prefill = {name: times for name, times in patterns.items() if not name.endswith("-decode")}
-    chosen = choose(prefill, DEFAULT.resolved(tokens, v_transposed(v)))
+    chosen = choose(prefill, DEFAULT.resolved(tokens, v))
     return choose(patterns, chosen) if len(patterns) > len(prefill) else chosen
 
 
 def _key(launch: Launch) -> str:
-    return "depth{}-tile{}-vloop{}-lanes{}".format(*launch)
+    return "depth{}-tile{}-vloop{}-lanes{}-groups{}".format(*launch)
 
 
 def _launch(key: str) -> Launch:
-    return Launch(*map(int, re.fullmatch(r"depth(\d+)-tile(\d+)-vloop(\d+)-lanes(\d+)", key).groups()))
+    return Launch(*map(int, re.fullmatch(r"depth(\d+)-tile(\d+)-vloop(\d+)-lanes(\d+)-groups(\d+)", key).groups()))
 
 
 def ranges(choices: list[tuple[int, Launch]]) -> list[list]:
@@ -393,7 +417,7 @@ def main() -> int:
             for name, times in measured[str(t)].items():
                 print(f"{v.uri} T={t} {name}: " + "  ".join(f"{key} {us:.2f} us" for key, us in times.items()))
             print(f"{v.uri} T={t} -> depth {chosen.depth} tile {chosen.tile} v_loop {chosen.v_loop} "
-                  f"lanes {chosen.lanes}", flush=True)
+                  f"lanes {chosen.lanes} groups {chosen.groups}", flush=True)
         table["choices"][v.uri] = ranges([(t, pick(v, t, measured[str(t)])) for t in tokens])
         build.write_if_different(partial, json.dumps(table, indent=1, sort_keys=True) + "\n")
     if base is not None:

@@ -41,14 +41,14 @@ ABI_HEADER = INCLUDE / "kvforge" / "abi.h"
 # launch table is read only by the version it was tuned for. ABI_LAYOUT pins the struct
 # layout this version means (layout_digest()): a change of one without the other fails
 # tests/test_signature.py.
-ABI_VERSION = 8
+ABI_VERSION = 9
 # The version of what a tuned launch means (the LAUNCH fields, the defines they name, and the
 # kernel schedule's reading of them): a tuned table (tuning/) is read only by the launch ABI it
 # was tuned for. An ABI change that leaves the launch alone (an argument added) keeps the
 # tables. LAUNCH_LAYOUT pins the fields and defines it means (launch_digest()).
-LAUNCH_ABI = 7
-LAUNCH_LAYOUT = "e66a40db6e5d24e9"
-ABI_LAYOUT = "ab01d6f5c914eac0"
+LAUNCH_ABI = 8
+LAUNCH_LAYOUT = "23f93c337004e9ec"
+ABI_LAYOUT = "db9dc0eaa66b9392"
 
 
 class Kind(enum.Enum):
@@ -250,6 +250,11 @@ LAUNCH: tuple[CField, ...] = (  # the tuned launch (runtime/tuning.py's Launch)
     CField("lanes_per_thread", "int32_t",
            "1..KVF_MAX_LANES_PER_THREAD (0 = default), at most the\n"
            "variant's Traits::kMaxLanesPerThread; else the launch fails"),
+    CField("kv_groups", "int32_t",
+           "1, 2 .. KVF_MAX_KV_GROUPS (powers of two); 0 = default:\n"
+           "groups each main-loop K/V head's tokens are dealt to in\n"
+           "a call of several passes; read only by variants with\n"
+           "per-token K/V scales"),
 )
 CACHE_FIELDS: tuple[CField, ...] = (  # kvf_cache_t
     CField("data", "void*"),
@@ -277,6 +282,9 @@ DEFINES: tuple[Define, ...] = (
     Define("KVF_MAX_LANES_PER_THREAD", 2, "head lanes (32 bytes of a head per token each) a main-loop\n"
                                           "thread holds: 1..this, where the variant has them"),
     Define("KVF_DEFAULT_LANES_PER_THREAD", 1, "what a call naming 0 gets"),
+    Define("KVF_MAX_KV_GROUPS", 4, "groups of a K/V head taking turns at the passes' tokens:\n"
+                                   "a power of two up to this"),
+    Define("KVF_DEFAULT_KV_GROUPS", 2, "what a call naming 0 gets"),
     Define("KVF_V_LOOP_DEFAULT", 0, heading=(
         "Where a transposed V (SHUFFLE) is written: by the main loop's lanes of each token, or by\n"
         "the V loop that runs after it (tokens grouped into 16-byte runs). A call naming\n"

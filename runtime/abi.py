@@ -20,6 +20,9 @@ V_LOOP_ON = _DEFINES["KVF_V_LOOP_ON"]
 V_LOOP_MIN_TOKENS = _DEFINES["KVF_V_LOOP_MIN_TOKENS"]
 MAX_LANES_PER_THREAD = _DEFINES["KVF_MAX_LANES_PER_THREAD"]
 DEFAULT_LANES_PER_THREAD = _DEFINES["KVF_DEFAULT_LANES_PER_THREAD"]
+MAX_KV_GROUPS = _DEFINES["KVF_MAX_KV_GROUPS"]
+KV_GROUPS = tuple(1 << i for i in range(MAX_KV_GROUPS.bit_length()))  # the group counts a library takes
+DEFAULT_KV_GROUPS = _DEFINES["KVF_DEFAULT_KV_GROUPS"]
 
 _SCALARS = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
 

@@ -73,6 +73,7 @@ _COMPUTED = {
     "tokens_per_tile": lambda t, launch: launch.tile,
     "v_loop": lambda t, launch: launch.v_loop,
     "lanes_per_thread": lambda t, launch: launch.lanes,
+    "kv_groups": lambda t, launch: launch.groups,
 }
 
 

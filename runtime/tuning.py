@@ -1,5 +1,6 @@
 """Tuned launch choices: the main loop's pipeline depth, token tile and head lanes per
-thread, and where a transposed V is written, per variant and token range.
+thread, where a transposed V is written, and how many groups a K/V head with per-token
+scales has, per variant and token range.
 
 Which launch is fastest depends on the shape: a deeper pipeline (cos/sin loaded a token
 ahead) hides more memory latency on long runs of tokens but costs registers and a longer
@@ -9,10 +10,14 @@ leave lanes idle on a call of fewer tokens and spread fewer tiles over the SMs; 
 lanes per thread spend a thread's per-token work (addresses, position, reciprocal, loop)
 on twice the bytes but keep half the threads in flight; SHUFFLE's V loop stores whole
 16-byte runs but is a second trip to memory after the main loop, which pays only once the
-call is long enough. `benchmarks/tune.py` times every depth a library holds
+call is long enough; a K/V head whose per-token scale makes its path per token the
+longest is dealt to several groups of threads, each taking its turn at the passes' tokens,
+which shortens that path per pass but takes lanes from the other heads. `benchmarks/tune.py`
+times every depth a library holds
 (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
 KVF_MAX_TOKENS_PER_TILE), every lane count the variant has (1..its
-codegen/lanes.py: LaneMap.max_sub), and for a transposed V both places, on the GPU and writes
+codegen/lanes.py: LaneMap.max_sub), and for a transposed V both places (then the best few at
+every K/V group count, where the variant has per-token scales), on the GPU and writes
 tuning/<name>.json; the runtime only reads those files, so nothing is tuned at run time.
 A device or variant without an entry gets 0 for each, the library's defaults; a variant the
 table does not name takes the ranges of its twin (`twin`), the variant that differs only in
@@ -21,9 +26,10 @@ output, per-tensor for per-token scales (the same bytes; a lane count the twin's
 holds, the variant's holds too).
 
 File format: {"device": "<torch.cuda.get_device_name()>", "abi": LAUNCH_ABI,
-"choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop, lanes], ..., [null, depth,
-tile, v_loop, lanes]]}}, ranges ascending, the last one open; v_loop is KVF_V_LOOP_OFF (1)
-or _ON (2) where V is transposed, else 0. Only those keys are read; the tuner also records
+"choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop, lanes, groups], ..., [null,
+depth, tile, v_loop, lanes, groups]]}}, ranges ascending, the last one open; v_loop is
+KVF_V_LOOP_OFF (1) or _ON (2) where V is transposed, else 0; groups one of KV_GROUPS where
+the variant has per-token K/V scales, else 0. Only those keys are read; the tuner also records
 its provenance ("command", "date", "torch") and where its measured times went ("timings",
 a file under benchmarks/results/). A table is read only by the launch ABI it was tuned for
 (codegen/signature.py: LAUNCH_ABI): what a launch field means may change with it.
@@ -42,9 +48,9 @@ from kvforge.codegen.layout import v_transposed
 from kvforge.codegen.model import KvScale, QFp8, Rope
 from kvforge.codegen.paths import TUNED
 
-from .abi import (LAUNCH_ABI, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
-                  MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS,
-                  V_LOOP_OFF, V_LOOP_ON)
+from .abi import (LAUNCH_ABI, DEFAULT_KV_GROUPS, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH,
+                  DEFAULT_TOKENS_PER_TILE, KV_GROUPS, MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, TOKENS_PER_TILE,
+                  V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
 
 
 class Launch(NamedTuple):
@@ -53,22 +59,25 @@ class Launch(NamedTuple):
     tile: int
     v_loop: int  # KVF_V_LOOP_*: where a transposed V is written
     lanes: int = 0  # head lanes per main-loop thread (kvf_args_t::lanes_per_thread)
+    groups: int = 0  # groups per K/V head with per-token scales (kvf_args_t::kv_groups)
 
-    def resolved(self, tokens: int, v_transposed: bool) -> "Launch":
-        """What the library runs for a call of `tokens` tokens: defaults filled in as
-        launch_at_depth does; v_loop 0 where V is not transposed (there is no V loop).
-        (A call of one pass, every thread one token, runs at depth 1 whatever the depth:
-        the kernel's grid decides that, so it is not modelled here.)"""
+    def resolved(self, tokens: int, variant) -> "Launch":
+        """What the variant's library runs for a call of `tokens` tokens: defaults filled in
+        as launch_at_depth does; v_loop 0 where V is not transposed (there is no V loop),
+        groups 0 where the variant has no per-token K/V scales (its heads have one group).
+        (A call of one pass, every thread one token, runs at depth 1 and one group whatever
+        the launch: the kernel's grid decides that, so it is not modelled here.)"""
         v_loop = V_LOOP_DEFAULT
-        if v_transposed:
+        if v_transposed(variant):
             v_loop = self.v_loop or (V_LOOP_ON if tokens >= V_LOOP_MIN_TOKENS else V_LOOP_OFF)
+        groups = (self.groups or DEFAULT_KV_GROUPS) if splits_kv(variant) else 0
         return Launch(self.depth or DEFAULT_PIPELINE_DEPTH, self.tile or DEFAULT_TOKENS_PER_TILE, v_loop,
-                      self.lanes or DEFAULT_LANES_PER_THREAD)
+                      self.lanes or DEFAULT_LANES_PER_THREAD, groups)
 
     def problems(self) -> list[str]:
         """Fields outside what a library accepts (0 is the default for each)."""
         accepted = (range(MAX_PIPELINE_DEPTH + 1), (0, *TOKENS_PER_TILE), range(V_LOOP_ON + 1),
-                    range(MAX_LANES_PER_THREAD + 1))
+                    range(MAX_LANES_PER_THREAD + 1), (0, *KV_GROUPS))
         return [f"{name} must be {_allowed(ok)}, got {value!r}" for name, value, ok in zip(self._fields, self, accepted)
                 if type(value) is not int or value not in ok]
 
@@ -81,12 +90,18 @@ def _allowed(values) -> str:
     return f"0..{values[-1]}" if isinstance(values, range) else f"one of {_listed(values)}"
 
 
-DEFAULT = Launch(0, 0, V_LOOP_DEFAULT, 0)
+DEFAULT = Launch(0, 0, V_LOOP_DEFAULT, 0, 0)
 Ranges = tuple[tuple[Optional[int], Launch], ...]  # ((max_tokens or None, launch), ...)
 
 
 class TuningError(ValueError):
     pass
+
+
+def splits_kv(variant) -> bool:
+    """Whether the variant's K/V heads may have several groups (kvf_args_t::kv_groups): where
+    their values are divided by a per-token scale (the kernel's Fused::kSplitKv)."""
+    return variant.kv_scale.dynamic
 
 
 def lanes_problem(variant, lanes: int) -> Optional[str]:
@@ -150,15 +165,16 @@ def parse(data, where: str) -> Table:
     out: dict[str, Ranges] = {}
     for uri, ranges in choices.items():
         if not isinstance(ranges, list) or not ranges:
-            raise TuningError(f"{where}: {uri}: expected a list of [max_tokens, depth, tile, v_loop, lanes] entries")
+            raise TuningError(f"{where}: {uri}: expected a list of [max_tokens, depth, tile, v_loop, lanes, groups] "
+                              "entries")
         parsed, last = [], 0
         for i, item in enumerate(ranges):
-            ok = isinstance(item, list) and len(item) == 5
-            upto, depth, tile, v_loop, lanes = item if ok else (None,) * 5
+            ok = isinstance(item, list) and len(item) == 6
+            upto, depth, tile, v_loop, lanes, groups = item if ok else (None,) * 6
             open_end = upto is None and i == len(ranges) - 1
             if not ok or not (open_end or (type(upto) is int and upto > last)):
                 raise TuningError(f"{where}: {uri}: range {i}: expected [max_tokens > {last}, depth, tile, v_loop, "
-                                  f"lanes] (max_tokens null only in the last), got {item!r}")
+                                  f"lanes, groups] (max_tokens null only in the last), got {item!r}")
             if type(depth) is not int or not 1 <= depth <= MAX_PIPELINE_DEPTH:
                 raise TuningError(f"{where}: {uri}: range {i}: depth must be 1..{MAX_PIPELINE_DEPTH}, "
                                   f"got {depth!r}")
@@ -171,7 +187,10 @@ def parse(data, where: str) -> Table:
             if type(lanes) is not int or not 1 <= lanes <= MAX_LANES_PER_THREAD:
                 raise TuningError(f"{where}: {uri}: range {i}: lanes must be 1..{MAX_LANES_PER_THREAD}, "
                                   f"got {lanes!r}")
-            parsed.append((upto, Launch(depth, tile, v_loop, lanes)))
+            if type(groups) is not int or groups not in (0, *KV_GROUPS):
+                raise TuningError(f"{where}: {uri}: range {i}: groups must be 0 (default) or one of "
+                                  f"{_listed(KV_GROUPS)}, got {groups!r}")
+            parsed.append((upto, Launch(depth, tile, v_loop, lanes, groups)))
             last = upto if upto is not None else last
         out[uri] = tuple(parsed)
     return Table(device=data["device"], choices=out, where=where)
@@ -209,4 +228,4 @@ def launch_used(device: str, variant, tokens: int) -> Launch:
     """The launch a call of `tokens` tokens gets on `device`, defaults resolved (for reports)."""
     table = table_for(device)
     launch = pick(table.ranges_for(variant), tokens) if table else DEFAULT
-    return launch.resolved(tokens, v_transposed(variant))
+    return launch.resolved(tokens, variant)

@@ -73,15 +73,18 @@ def test_ab_sets_refuse_what_is_not_a_definition(text, message):
 def test_ab_cases_take_a_config_tp_tokens_and_maybe_a_launch():
     assert parse_case("m3:1:1024") == Case("vllm_m3 bf16", 1, 1024, None)
     assert parse_case("fp8:8:8192:1:4:1:2") == Case("vllm_shuffle16 fp8", 8, 8192, Launch(1, 4, 1, 2))
+    assert parse_case("fp8t:8:65536:1:4:2:2:4") == Case("vllm_shuffle16 fp8 per-token", 8, 65536,
+                                                          Launch(1, 4, 2, 2, 4))
 
 
 @pytest.mark.parametrize("text,message", [
-    ("m3:1", "expected config:tp:tokens[:depth:tile:v_loop:lanes], got 'm3:1'"),
+    ("m3:1", "expected config:tp:tokens[:depth:tile:v_loop:lanes[:groups]], got 'm3:1'"),
     ("m4:1:16", "m4:1:16: config 'm4' is not one of m3, sglang, shuffle, fp8"),
     ("m3:x:16", "m3:x:16: expected integers after the config"),
     ("m3:2:16", "m3:2:16: TP 2 is not one of [1, 4, 8]"),
     ("m3:1:0", "m3:1:0: expected at least one token, got 0"),
     ("m3:1:16:1:3:0:1", "m3:1:16:1:3:0:1: tile"),
+    ("fp8t:8:16:1:2:0:1:3", "fp8t:8:16:1:2:0:1:3: groups must be one of 0, 1, 2, 4, got 3"),
 ])
 def test_ab_cases_refuse_what_bench_does_not_run(text, message):
     with pytest.raises(ValueError, match="^--cases: " + re.escape(message)):

@@ -161,23 +161,25 @@ def test_jit_builds_and_build_many_of_one_library_run_the_compiler_once(tmp_path
 
 
 @needs_nvcc
-def test_the_library_refuses_a_tile_that_is_not_a_power_of_two(nvcc_sm90, tmp_path, monkeypatch):
-    """kvf_launch checks the tile itself, for callers of the C ABI that skip
-    runtime/tuning.py. The refusal comes before any GPU call, so this runs without one;
-    a tile it let through (3) would go on to the device query or a launch."""
+def test_the_library_refuses_a_tile_or_k_v_groups_that_are_not_a_power_of_two(nvcc_sm90, tmp_path, monkeypatch):
+    """kvf_launch checks the tile and the K/V groups itself, for callers of the C ABI that
+    skip runtime/tuning.py (every variant: a library without per-token scales ignores a
+    valid count). The refusal comes before any GPU call, so this runs without one; a tile
+    it let through (3) would go on to the device query or a launch."""
     from kvforge.runtime.abi import Args
 
     monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
     v = spec().variants[0]
     lib = KernelLibrary(str(build.build(build.Job(v.uri, source_of(v)), nvcc_sm90)), v.uri)
 
-    def code(tile, v_loop=0):
-        args = Args(num_tokens=1, tokens_per_tile=tile, v_loop=v_loop)
+    def code(tile, v_loop=0, groups=0):
+        args = Args(num_tokens=1, tokens_per_tile=tile, v_loop=v_loop, kv_groups=groups)
         return lib._launch(ctypes.byref(args), None)
 
     invalid = code(1, v_loop=99)  # the library's invalid-value code, from another argument
     assert invalid != 0 and "invalid" in lib.lib.kvf_error_string(invalid).decode().lower()
     assert [code(tile) for tile in (-1, 3, 5, 6, 7, 8)] == [invalid] * 6
+    assert [code(1, groups=g) for g in (-1, 3, 5, 6, 7, 8)] == [invalid] * 6
 
 
 @needs_nvcc

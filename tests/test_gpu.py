@@ -67,12 +67,13 @@ LAUNCH_CALLS = {"t3999-prefill": (3999, 8, "prefill", 7, 3990),
 
 def _launch_params(keep=lambda launch: True):
     """(variant, call, launch) for every launch configuration a tuned table may pick for
-    each variant (the tuner's list: depths, tiles, lanes per thread and, where V is
-    transposed, V in the main loop and in the V loop) that `keep` keeps, on every call of
+    each variant (the tuner's list: depths, tiles, lanes per thread, where V is transposed
+    V in the main loop and in the V loop, and where K/V have per-token scales every count
+    of groups per K/V head) that `keep` keeps, on every call of
     LAUNCH_CALLS; a variant's launches of one call are adjacent, so they share one
     reference (`_reference`)."""
     return [pytest.param(v, call, launch, id=f"{v.uri}-{call}-depth{launch.depth}-tile{launch.tile}"
-                                             f"-vloop{launch.v_loop}-lanes{launch.lanes}")
+                                             f"-vloop{launch.v_loop}-lanes{launch.lanes}-groups{launch.groups}")
             for v in VARIANTS for call in LAUNCH_CALLS for launch in launches(v) if keep(launch)]
 
 

@@ -69,7 +69,7 @@ def test_a_record_without_the_same_bytes_copy_renders_a_dash(tmp_path):
     assert len(rows) == 1, rows
     row = rows[0]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[11:13] == ["–", "–"], row
+    assert cells[12:14] == ["–", "–"], row
 
 
 def test_the_targets_table_counts_each_case_and_names_the_misses(tmp_path):

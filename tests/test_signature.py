@@ -71,8 +71,8 @@ def test_the_kernel_reads_what_it_read_before_the_table():
     fields = {f.name: f.ctype for f in signature.args_fields()}
     assert fields["qkv"] == fields["cos_sin"] == "const void*" and fields["positions"] == "const int64_t*"
     assert fields["k_cache"] == fields["index_cache"] == "kvf_cache_t" and fields["eps"] == "float"
-    assert [f.name for f in signature.args_fields()][-4:] == ["pipeline_depth", "tokens_per_tile", "v_loop",
-                                                              "lanes_per_thread"]
+    assert [f.name for f in signature.args_fields()][-5:] == ["pipeline_depth", "tokens_per_tile", "v_loop",
+                                                              "lanes_per_thread", "kv_groups"]
 
 
 def test_a_new_layout_has_a_new_abi_version():

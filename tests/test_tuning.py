@@ -5,16 +5,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.tune import choose, launches, launches_per_count, ranges, tps
+from benchmarks.tune import choose, launches, launches_per_count, ranges, sweep, tps
 from kvforge.codegen.lanes import lane_map_of
 from kvforge.codegen.layout import v_transposed
 from kvforge.codegen.model import Rope
 from kvforge.codegen.paths import TUNED
-from kvforge.runtime.abi import (LAUNCH_ABI, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE,
-                         MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH, V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF,
-                         V_LOOP_ON)
+from kvforge.runtime.abi import (LAUNCH_ABI, DEFAULT_KV_GROUPS, DEFAULT_LANES_PER_THREAD, DEFAULT_PIPELINE_DEPTH,
+                                 DEFAULT_TOKENS_PER_TILE, KV_GROUPS, MAX_LANES_PER_THREAD, MAX_PIPELINE_DEPTH,
+                                 V_LOOP_DEFAULT, V_LOOP_MIN_TOKENS, V_LOOP_OFF, V_LOOP_ON)
 from kvforge.runtime.registry import spec
-from kvforge.runtime.tuning import DEFAULT, Launch, TuningError, load, parse, pick, table_for
+from kvforge.runtime.tuning import DEFAULT, Launch, TuningError, load, parse, pick, splits_kv, table_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,25 +27,28 @@ def test_pick_walks_the_ranges_and_defaults_to_zero():
     a, b = Launch(1, 1, 1, 1), Launch(2, 2, 2, 2)
     r = ((3, a), (100, b), (None, a))
     assert [pick(r, t) for t in (1, 3, 4, 100, 101, 10 ** 9)] == [a, a, b, b, a, a]
-    assert pick((), 5) == DEFAULT == (0, 0, 0, 0) and pick(((10, b),), 11) == DEFAULT
+    assert pick((), 5) == DEFAULT == (0, 0, 0, 0, 0) and pick(((10, b),), 11) == DEFAULT
 
 
 @pytest.mark.parametrize("choices,message", [
-    ({"v": []}, "v: expected a list of [max_tokens, depth, tile, v_loop, lanes] entries"),
-    ({"v": [[None, 1, 1, 0, 1], [None, 2, 1, 0, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop, lanes] (max_tokens null only in the last), got [None, 1, 1, 0, 1]"),
-    ({"v": [[8, 1, 1, 0, 1], [8, 2, 1, 0, 1]]}, "v: range 1: expected [max_tokens > 8, depth, tile, v_loop, lanes]"),
-    ({"v": [[8, 1, 2, 0]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop, lanes] (max_tokens null only in the last), got [8, 1, 2, 0]"),
-    ({"v": [[8, 0, 1, 0, 1]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got 0"),
-    ({"v": [[8, True, 1, 0, 1]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got True"),
-    ({"v": [[8, 1, 0, 0, 1]]}, "v: range 0: tile must be one of 1, 2, 4, got 0"),
-    ({"v": [[8, 1, 3, 0, 1]]}, "v: range 0: tile must be one of 1, 2, 4, got 3"),
-    ({"v": [[8, 1, 8, 0, 1]]}, "v: range 0: tile must be one of 1, 2, 4, got 8"),
-    ({"v": [[8, 1, 1, 3, 1]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got 3"),
-    ({"v": [[8, 1, 1, None, 1]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got None"),
-    ({"v": [[8, 1, 1, 0, 0]]}, f"v: range 0: lanes must be 1..{MAX_LANES_PER_THREAD}, got 0"),
-    ({"v": [[8, 1, 1, 0, 3]]}, f"v: range 0: lanes must be 1..{MAX_LANES_PER_THREAD}, got 3"),
-    ({"v": [[8, 1, 1, 0, 2.0]]}, f"v: range 0: lanes must be 1..{MAX_LANES_PER_THREAD}, got 2.0"),
-    ({"v": [["8", 1, 1, 0, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop, lanes]"),
+    ({"v": []}, "v: expected a list of [max_tokens, depth, tile, v_loop, lanes, groups] entries"),
+    ({"v": [[None, 1, 1, 0, 1, 0], [None, 2, 1, 0, 1, 0]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop, lanes, groups] (max_tokens null only in the last), got [None, 1, 1, 0, 1, 0]"),
+    ({"v": [[8, 1, 1, 0, 1, 0], [8, 2, 1, 0, 1, 0]]}, "v: range 1: expected [max_tokens > 8, depth, tile, v_loop, lanes, groups]"),
+    ({"v": [[8, 1, 2, 0, 1]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop, lanes, groups] (max_tokens null only in the last), got [8, 1, 2, 0, 1]"),
+    ({"v": [[8, 0, 1, 0, 1, 0]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got 0"),
+    ({"v": [[8, True, 1, 0, 1, 0]]}, f"v: range 0: depth must be 1..{MAX_PIPELINE_DEPTH}, got True"),
+    ({"v": [[8, 1, 0, 0, 1, 0]]}, "v: range 0: tile must be one of 1, 2, 4, got 0"),
+    ({"v": [[8, 1, 3, 0, 1, 0]]}, "v: range 0: tile must be one of 1, 2, 4, got 3"),
+    ({"v": [[8, 1, 8, 0, 1, 0]]}, "v: range 0: tile must be one of 1, 2, 4, got 8"),
+    ({"v": [[8, 1, 1, 3, 1, 0]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got 3"),
+    ({"v": [[8, 1, 1, None, 1, 0]]}, "v: range 0: v_loop must be 0 (default), 1 (off) or 2 (on), got None"),
+    ({"v": [[8, 1, 1, 0, 0, 0]]}, f"v: range 0: lanes must be 1..{MAX_LANES_PER_THREAD}, got 0"),
+    ({"v": [[8, 1, 1, 0, 3, 0]]}, f"v: range 0: lanes must be 1..{MAX_LANES_PER_THREAD}, got 3"),
+    ({"v": [[8, 1, 1, 0, 2.0, 0]]}, f"v: range 0: lanes must be 1..{MAX_LANES_PER_THREAD}, got 2.0"),
+    ({"v": [[8, 1, 1, 0, 1, 3]]}, "v: range 0: groups must be 0 (default) or one of 1, 2, 4, got 3"),
+    ({"v": [[8, 1, 1, 0, 1, 8]]}, "v: range 0: groups must be 0 (default) or one of 1, 2, 4, got 8"),
+    ({"v": [[8, 1, 1, 0, 1, None]]}, "v: range 0: groups must be 0 (default) or one of 1, 2, 4, got None"),
+    ({"v": [["8", 1, 1, 0, 1, 0]]}, "v: range 0: expected [max_tokens > 0, depth, tile, v_loop, lanes, groups]"),
 ])
 def test_bad_tables_are_refused_with_the_entry_named(choices, message):
     with pytest.raises(TuningError) as e:
@@ -58,7 +61,7 @@ def test_bad_tables_are_refused_with_the_entry_named(choices, message):
                                        (str(LAUNCH_ABI), f"was tuned for ABI '{LAUNCH_ABI}'"),
                                        (True, "was tuned for ABI True")])
 def test_a_table_tuned_for_another_abi_is_refused(abi, found):
-    data = {k: v for k, v in table({"v": [[None, 1, 1, 0, 1]]}).items() if k != "abi" or abi is not None}
+    data = {k: v for k, v in table({"v": [[None, 1, 1, 0, 1, 0]]}).items() if k != "abi" or abi is not None}
     if abi is not None:
         data["abi"] = abi
     with pytest.raises(TuningError) as e:
@@ -75,11 +78,11 @@ def test_a_file_that_is_not_json_names_its_line(tmp_path):
 
 
 def test_the_table_is_found_by_device_name(tmp_path):
-    (tmp_path / "a.json").write_text(json.dumps(table({"v": [[16, 1, 1, 1, 1], [None, 2, 2, 2, 2]]})))
-    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "abi": LAUNCH_ABI, "choices": {"v": [[0, 9, 1, 0, 1]]}}))
+    (tmp_path / "a.json").write_text(json.dumps(table({"v": [[16, 1, 1, 1, 1, 0], [None, 2, 2, 2, 2, 4]]})))
+    (tmp_path / "b.json").write_text(json.dumps({"device": "GPU Z", "abi": LAUNCH_ABI, "choices": {"v": [[0, 9, 1, 0, 1, 0]]}}))
     t = table_for("GPU X", tmp_path)  # b.json is broken, but for another GPU
     launch = lambda uri, n: pick(t.choices.get(uri, ()), n)  # noqa: E731
-    assert launch("v", 16) == (1, 1, 1, 1) and launch("v", 17) == (2, 2, 2, 2) and launch("other", 1) == DEFAULT
+    assert launch("v", 16) == (1, 1, 1, 1, 0) and launch("v", 17) == (2, 2, 2, 2, 4) and launch("other", 1) == DEFAULT
     assert table_for("GPU Y", tmp_path) is None
     with pytest.raises(TuningError, match="b.json: v: range 0"):
         table_for("GPU Z", tmp_path)
@@ -87,13 +90,19 @@ def test_the_table_is_found_by_device_name(tmp_path):
 
 def test_two_tables_for_one_device_are_an_error(tmp_path):
     for name in ("a", "b"):
-        (tmp_path / f"{name}.json").write_text(json.dumps(table({"v": [[None, 2, 2, 0, 1]]})))
+        (tmp_path / f"{name}.json").write_text(json.dumps(table({"v": [[None, 2, 2, 0, 1, 0]]})))
     with pytest.raises(TuningError, match=r"a.json, b.json all tune 'GPU X'; keep one"):
         table_for("GPU X", tmp_path)
 
 
+def _variant(transposed: bool, split: bool = False, nkv: int = 0):
+    """A listed variant whose V is (not) transposed, with(out) per-token K/V scales, of nkv kv heads if given."""
+    return next(v for v in spec().variants if v_transposed(v) == transposed and splits_kv(v) == split
+                and nkv in (0, v.num_kv_heads))
+
+
 def test_the_tuner_keeps_the_default_unless_another_launch_is_clearly_faster():
-    default = DEFAULT.resolved(1024, v_transposed=True)
+    default = DEFAULT.resolved(1024, _variant(True))
     other = Launch(1 if default.depth != 1 else 2, default.tile, default.v_loop)
     assert choose({"tp1": {default: 10.0, other: 9.9}}, default) == default
     assert choose({"tp1": {default: 10.0, other: 9.0}}, default) == other
@@ -107,18 +116,21 @@ def test_one_launch_serves_every_tp_of_a_variant_so_the_tuner_minimizes_the_wors
     assert choose({"tp8": {d2t4: 3.32, d1t2: 3.43}, "tp4": {d2t4: 5.94, d1t2: 5.17}}, d2t4) == d1t2
     variants = {v.num_kv_heads: v for v in spec().variants}
     assert tps(variants[1]) == [4, 8] and tps(variants[4]) == [1]
-    assert launches_per_count(variants[1]) == 2 * len(launches(variants[1]))
+    assert launches_per_count(variants[1]) == 2 * len(sweep(variants[1]))
 
 
 def test_defaults_resolve_as_the_library_does():
     """The library's V loop from KVF_V_LOOP_MIN_TOKENS tokens, where V is transposed; a
-    V that is not has no V loop to name."""
+    V that is not has no V loop to name; K/V groups only where K/V have per-token scales."""
     depth, tile, lanes = DEFAULT_PIPELINE_DEPTH, DEFAULT_TOKENS_PER_TILE, DEFAULT_LANES_PER_THREAD
-    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS - 1, True) == (depth, tile, V_LOOP_OFF, lanes)
-    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, True) == (depth, tile, V_LOOP_ON, lanes)
-    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, False) == (depth, tile, V_LOOP_DEFAULT, lanes)
-    assert Launch(2, 1, V_LOOP_OFF, 2).resolved(10 ** 6, True) == (2, 1, V_LOOP_OFF, 2)
-    assert Launch(2, 1, V_LOOP_ON).resolved(1, False) == (2, 1, V_LOOP_DEFAULT, lanes)
+    shuffle, nhd, per_token = _variant(True), _variant(False), _variant(True, split=True)
+    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS - 1, shuffle) == (depth, tile, V_LOOP_OFF, lanes, 0)
+    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, shuffle) == (depth, tile, V_LOOP_ON, lanes, 0)
+    assert DEFAULT.resolved(V_LOOP_MIN_TOKENS, nhd) == (depth, tile, V_LOOP_DEFAULT, lanes, 0)
+    assert DEFAULT.resolved(1, per_token) == (depth, tile, V_LOOP_OFF, lanes, DEFAULT_KV_GROUPS)
+    assert Launch(2, 1, V_LOOP_OFF, 2, 4).resolved(10 ** 6, shuffle) == (2, 1, V_LOOP_OFF, 2, 0)
+    assert Launch(2, 1, V_LOOP_OFF, 2, 4).resolved(10 ** 6, per_token) == (2, 1, V_LOOP_OFF, 2, 4)
+    assert Launch(2, 1, V_LOOP_ON).resolved(1, nhd) == (2, 1, V_LOOP_DEFAULT, lanes, 0)
 
 
 def test_launch_with_refuses_a_launch_the_library_would_not_take():
@@ -130,14 +142,16 @@ def test_launch_with_refuses_a_launch_the_library_would_not_take():
         launch_with(Launch(1, 3, 0))
     with pytest.raises(ValueError, match=rf"^launch_with: lanes must be 0\.\.{MAX_LANES_PER_THREAD}, got 3$"):
         launch_with(Launch(1, 1, 0, 3))
+    with pytest.raises(ValueError, match=r"^launch_with: groups must be one of 0, 1, 2, 4, got 3$"):
+        launch_with(Launch(1, 1, 0, 1, 3))
 
 
 def test_the_tuner_times_both_v_places_only_where_v_is_transposed():
     by_transposed = {}
     for v in spec().variants:
         by_transposed.setdefault(v_transposed(v), v)
-    assert {p for *_, p, _ in launches(by_transposed[True])} == {V_LOOP_OFF, V_LOOP_ON}
-    assert {p for *_, p, _ in launches(by_transposed[False])} == {V_LOOP_DEFAULT}
+    assert {launch.v_loop for launch in launches(by_transposed[True])} == {V_LOOP_OFF, V_LOOP_ON}
+    assert {launch.v_loop for launch in launches(by_transposed[False])} == {V_LOOP_DEFAULT}
     assert {(d, t) for d, t, *_ in launches(by_transposed[True])} == \
         {(d, t) for d in range(1, MAX_PIPELINE_DEPTH + 1) for t in (1, 2, 4)}
     assert len(launches(by_transposed[True])) == 2 * MAX_PIPELINE_DEPTH * 3 * MAX_LANES_PER_THREAD
@@ -146,18 +160,29 @@ def test_the_tuner_times_both_v_places_only_where_v_is_transposed():
 def test_the_tuner_times_every_lane_count_a_variant_has():
     for v in spec().variants:
         most = lane_map_of(v).max_sub
-        assert {n for *_, n in launches(v)} == set(range(1, most + 1)), v.uri
+        assert {launch.lanes for launch in launches(v)} == set(range(1, most + 1)), v.uri
     assert {lane_map_of(v).max_sub for v in spec().variants} == {1, 2}
+
+
+def test_the_tuner_times_k_v_groups_only_where_k_v_have_per_token_scales():
+    """Every count a library takes is a launch it distinguishes (the GPU tests run them all);
+    the sweep holds the default's, the finalists are timed at the others."""
+    for v in spec().variants:
+        groups = {launch.groups for launch in launches(v)}
+        assert groups == (set(KV_GROUPS) if splits_kv(v) else {0}), v.uri
+        assert {launch.groups for launch in sweep(v)} == {DEFAULT_KV_GROUPS if splits_kv(v) else 0}, v.uri
+        assert len(launches(v)) == len(sweep(v)) * len(groups), v.uri
+    assert any(splits_kv(v) for v in spec().variants)
 
 
 def test_the_tuner_splits_ranges_between_measured_counts_and_merges_equal_ones():
     a, b, c = Launch(1, 1, 0, 1), Launch(2, 2, 0, 1), Launch(2, 1, 0, 1)
-    assert ranges([(1, a), (16, a), (128, b), (1024, b)]) == [[45, 1, 1, 0, 1], [None, 2, 2, 0, 1]]
-    assert ranges([(1, a), (16, c), (128, c)]) == [[4, 1, 1, 0, 1], [None, 2, 1, 0, 1]]
-    assert ranges([(1, b)]) == [[None, 2, 2, 0, 1]]
-    off, on, two = Launch(1, 2, 1, 1), Launch(1, 2, 2, 1), Launch(1, 2, 2, 2)
-    assert ranges([(1024, off), (8192, on), (32768, two)]) == [[2896, 1, 2, 1, 1], [16384, 1, 2, 2, 1],
-                                                                [None, 1, 2, 2, 2]]
+    assert ranges([(1, a), (16, a), (128, b), (1024, b)]) == [[45, 1, 1, 0, 1, 0], [None, 2, 2, 0, 1, 0]]
+    assert ranges([(1, a), (16, c), (128, c)]) == [[4, 1, 1, 0, 1, 0], [None, 2, 1, 0, 1, 0]]
+    assert ranges([(1, b)]) == [[None, 2, 2, 0, 1, 0]]
+    off, on, two, four = Launch(1, 2, 1, 1, 2), Launch(1, 2, 2, 1, 2), Launch(1, 2, 2, 2, 2), Launch(1, 2, 2, 2, 4)
+    assert ranges([(1024, off), (8192, on), (32768, two), (65536, four)]) == \
+        [[2896, 1, 2, 1, 1, 2], [16384, 1, 2, 2, 1, 2], [46340, 1, 2, 2, 2, 2], [None, 1, 2, 2, 2, 4]]
 
 
 def test_the_v_place_is_the_one_with_the_smaller_worse_slowdown_over_both_slot_patterns():
@@ -256,7 +281,7 @@ def test_a_filtered_run_retunes_its_variants_within_the_table(tmp_path, monkeypa
         out = measure_count(v, tokens, confirm_within)
         for times in out.values():
             for key in times:
-                if tune._launch(key)._replace(v_loop=0) == faster:
+                if tune._launch(key)._replace(v_loop=0, groups=0) == faster:
                     times[key] = 9.0
         return out
 
@@ -282,7 +307,7 @@ def test_a_filtered_run_retunes_its_variants_within_the_table(tmp_path, monkeypa
     capsys.readouterr()
     refusals = [(["--tokens", "1,16,128"], None, "--tokens: {t} was tuned at 1,16: re-tune its variants at the same counts"),
                 ([], lambda p: p.write_text(p.read_text().replace(first["date"], "1999-01-01", 1)),
-                 "{j} holds another run's timings than {t}, or another tuner format's (this one's: 2): re-tune it whole"),
+                 "{j} holds another run's timings than {t}, or another tuner format's (this one's: 3): re-tune it whole"),
                 ([], lambda p: p.unlink(), "{t}: its timings {j} are missing: re-tune it whole")]
     t, j = tmp_path / "h200.json", tmp_path / "h200_tune.jsonl"
     for args, spoil, message in refusals:
@@ -296,7 +321,8 @@ def test_a_filtered_run_retunes_its_variants_within_the_table(tmp_path, monkeypa
     monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda *a: "GPU Y")
     with pytest.raises(SystemExit):
         tune.main()
-    assert f"{t} was tuned on GPU X at ABI 7, not GPU Y at ABI 7: re-tune it whole" in capsys.readouterr().err
+    assert f"{t} was tuned on GPU X at ABI {LAUNCH_ABI}, not GPU Y at ABI {LAUNCH_ABI}: re-tune it whole" in \
+        capsys.readouterr().err
 
 
 def test_the_tuner_stops_before_a_count_it_could_not_finish_within_its_budget(tmp_path, monkeypatch, capsys):
@@ -319,8 +345,8 @@ def test_the_tuner_picks_from_what_it_measured_alone():
     from benchmarks.tune import _key
     from benchmarks.tune import pick as tune_pick
 
-    v = next(v for v in spec().variants if v_transposed(v) and v.num_kv_heads == 1)
-    off, on = DEFAULT.resolved(1024, True)._replace(v_loop=V_LOOP_OFF), DEFAULT.resolved(1024, True)
+    v = _variant(True, nkv=1)
+    off, on = DEFAULT.resolved(1024, v)._replace(v_loop=V_LOOP_OFF), DEFAULT.resolved(1024, v)
     assert on.v_loop == V_LOOP_ON
     measured = {"tp4": {_key(launch): 100.0 for launch in launches(v)} | {_key(off): 97.0},
                 "tp8": {_key(launch): 50.0 for launch in launches(v)}}
@@ -336,7 +362,7 @@ def test_the_tuner_times_each_tp_then_the_decode_pair_where_v_is_transposed(monk
     place's best by the same measure are timed again with decode slots."""
     import benchmarks.tune as tune
 
-    v = next(v for v in spec().variants if v_transposed(v) and v.num_kv_heads == 1)
+    v = _variant(True, nkv=1)
     steady, tp4_only = Launch(1, 2, V_LOOP_OFF, 1), Launch(2, 4, V_LOOP_ON, 1)
     us = {steady: {4: 95.0, 8: 95.0}, tp4_only: {4: 90.0, 8: 100.0}, Launch(1, 4, V_LOOP_ON, 2): {4: 110.0, 8: 90.0}}
     calls = []
@@ -364,8 +390,8 @@ def test_the_launches_that_could_win_are_timed_twice_keeping_their_faster_times(
     behind is not. The decode pair then starts from the confirmed choice."""
     import benchmarks.tune as tune
 
-    v = next(v for v in spec().variants if v_transposed(v) and v.num_kv_heads == 1)
-    current = DEFAULT.resolved(1024, True)
+    v = _variant(True, nkv=1)
+    current = DEFAULT.resolved(1024, v)
     unlucky, behind = Launch(2, 4, V_LOOP_ON, 2), Launch(1, 1, V_LOOP_OFF, 1)
     assert current not in (unlucky, behind) and current.v_loop == V_LOOP_ON
     sweep, second = {current: 86.0, unlucky: 88.8, behind: 91.2}, {current: 87.5, unlucky: 83.0}
@@ -390,9 +416,45 @@ def test_the_launches_that_could_win_are_timed_twice_keeping_their_faster_times(
         sorted([unlucky, behind, current])
 
 
+def test_the_sweeps_finalists_are_timed_at_the_other_k_v_group_counts_where_one_can_win(monkeypatch):
+    """Session 55: per-token K/V heads in four groups ran 3.6% faster at TP8 65536 at a
+    launch with V in its own loop, and slower where V runs in the main loop. The sweep runs at
+    the default two groups; its finalists (within 5% of its best, and the default) are timed
+    at one and four, and the confirm round then takes the finalists of everything timed."""
+    import benchmarks.tune as tune
+
+    v = _variant(True, split=True, nkv=1)
+    current = DEFAULT.resolved(65536, v)
+    near, far = Launch(1, 4, V_LOOP_ON, 2, DEFAULT_KV_GROUPS), Launch(1, 1, V_LOOP_OFF, 1, DEFAULT_KV_GROUPS)
+    four = near._replace(groups=4)
+    assert current.groups == DEFAULT_KV_GROUPS and near != current and {near, far} <= set(sweep(v))
+    us = {current: 100.0, near: 101.5, far: 104.0, four: 96.0}
+    calls = []
+
+    def time_launches(v, tokens, candidates, tp, slots=None):
+        calls.append((tp, list(candidates)))
+        return {x: us.get(x, 110.0) * tp / 4 for x in candidates}
+
+    monkeypatch.setattr(tune, "time_launches", time_launches)
+    measured = tune.measure_count(v, 65536, 0.05)
+    assert [(tp, n) for tp, n in calls[:2]] == [(4, sweep(v)), (8, sweep(v))]
+    regrouped = [launch._replace(groups=g) for launch in sorted([current, near, far]) for g in (1, 4)]
+    assert calls[2] == (4, regrouped) and calls[3] == (8, regrouped)
+    assert calls[4] == (4, sorted([current, four], reverse=True)) and len(calls) == 6  # the confirm round
+    assert tune.pick(v, 65536, measured) == four
+    # where no group count can win, nothing moves; a variant without per-token scales times none
+    us[four] = 99.0
+    assert tune.pick(v, 65536, tune.measure_count(v, 65536, 0.05)) == current
+    calls.clear()
+    plain = _variant(True, nkv=1)
+    tune.measure_count(plain, 65536, 0.05)
+    assert len(calls) == 4 and {launch.groups for _, c in calls for launch in c} == {0}  # sweep, confirm
+
+
 def test_stored_tables_load_and_name_listed_variants():
-    """...and name a V place (1 or 2) exactly where the variant's V is transposed, and
-    no more lanes per thread than the variant has."""
+    """...and name a V place (1 or 2) exactly where the variant's V is transposed, no
+    more lanes per thread than the variant has, and K/V groups only where it has
+    per-token K/V scales."""
     variants = {v.uri: v for v in spec().variants}
     for path in sorted(TUNED.glob("*.json")):
         t = load(path)
@@ -402,6 +464,7 @@ def test_stored_tables_load_and_name_listed_variants():
             places = {launch.v_loop for _, launch in entries}
             assert places <= ({V_LOOP_OFF, V_LOOP_ON} if v_transposed(v) else {V_LOOP_DEFAULT}), uri
             assert max(launch.lanes for _, launch in entries) <= lane_map_of(v).max_sub, uri
+            assert {launch.groups for _, launch in entries} <= (set(KV_GROUPS) if splits_kv(v) else {0}), uri
 
 
 def _stored_tables():
@@ -478,10 +541,10 @@ def test_a_range_naming_more_lanes_than_the_variant_holds_is_refused_at_its_firs
     only the variant knows: the error names the file and range, not a failed launch."""
     one, two = (next(v for v in spec().variants if lane_map_of(v).max_sub == n)
                 for n in (1, 2))
-    ranges = [[16, 1, 1, 1, 1], [None, 2, 4, 2, 2]]
+    ranges = [[16, 1, 1, 1, 1, 0], [None, 2, 4, 2, 2, 0]]
     (tmp_path / "t.json").write_text(json.dumps(table({one.uri: ranges, two.uri: ranges})))
     t = table_for("GPU X", tmp_path)
-    assert [launch for _, launch in t.ranges_for(two)] == [Launch(1, 1, 1, 1), Launch(2, 4, 2, 2)]
+    assert [launch for _, launch in t.ranges_for(two)] == [Launch(1, 1, 1, 1, 0), Launch(2, 4, 2, 2, 0)]
     with pytest.raises(TuningError) as e:
         t.ranges_for(one)
     assert str(e.value) == (f"{tmp_path / 't.json'}: range 1: lanes must be at most 1 for {one.uri} (rotary "

@@ -5,7 +5,7 @@
 
 #include <stdint.h>
 
-#define KVF_ABI_VERSION 8
+#define KVF_ABI_VERSION 9
 #define KVF_MAX_DIMS 8
 #define KVF_MAX_PIPELINE_DEPTH 2        // a library holds the main loop at depths 1..this (see pipeline_depth)
 #define KVF_DEFAULT_PIPELINE_DEPTH 1    // the depth a call naming 0 gets
@@ -15,6 +15,9 @@
 #define KVF_MAX_LANES_PER_THREAD 2      // head lanes (32 bytes of a head per token each) a main-loop
                                         // thread holds: 1..this, where the variant has them
 #define KVF_DEFAULT_LANES_PER_THREAD 1  // what a call naming 0 gets
+#define KVF_MAX_KV_GROUPS 4             // groups of a K/V head taking turns at the passes' tokens:
+                                        // a power of two up to this
+#define KVF_DEFAULT_KV_GROUPS 2         // what a call naming 0 gets
 // Where a transposed V (SHUFFLE) is written: by the main loop's lanes of each token, or by
 // the V loop that runs after it (tokens grouped into 16-byte runs). A call naming
 // KVF_V_LOOP_DEFAULT gets the V loop from KVF_V_LOOP_MIN_TOKENS tokens on.
@@ -77,6 +80,10 @@ typedef struct {
   int32_t v_loop;                     // KVF_V_LOOP_*; ignored where V is not transposed
   int32_t lanes_per_thread;           // 1..KVF_MAX_LANES_PER_THREAD (0 = default), at most the
                                       // variant's Traits::kMaxLanesPerThread; else the launch fails
+  int32_t kv_groups;                  // 1, 2 .. KVF_MAX_KV_GROUPS (powers of two); 0 = default:
+                                      // groups each main-loop K/V head's tokens are dealt to in
+                                      // a call of several passes; read only by variants with
+                                      // per-token K/V scales
 } kvf_args_t;
 
 #ifdef __cplusplus

@@ -14,14 +14,14 @@
 // four (tuned; twice that at two lanes), the tile's groups of each head side by side. A
 // main-loop thread keeps its head lanes for every token it visits and requests the next
 // token's rows (RowPipe) while computing the current; in calls of several passes a
-// main-loop K/V head with per-token scales has two groups taking alternate passes' tokens
-// (Fused::kKvCopies). V of a layout that scatters one token's dims (SHUFFLE) goes, in long
-// calls (kvf_args_t::v_loop), to a second loop every thread runs after the main one, in
-// which a lane owns up to 8 consecutive tokens of one dim chunk and, for prefill runs,
-// transposes them in registers into vector stores (whole 16-byte runs are staged in shared
-// memory, where rows come by cp.async, so a store instruction writes adjacent vectors);
-// other calls write it in the main loop (a head's row staged the same way). AMD stages
-// neither: registers and LDS (see kStageV).
+// main-loop K/V head with per-token scales has several groups (kvf_args_t::kv_groups,
+// tuned) taking turns at the passes' tokens (Fused::kSplitKv). V of a layout that scatters
+// one token's dims (SHUFFLE) goes, in long calls (kvf_args_t::v_loop), to a second loop
+// every thread runs after the main one, in which a lane owns up to 8 consecutive tokens of
+// one dim chunk and, for prefill runs, transposes them in registers into vector stores
+// (whole 16-byte runs are staged in shared memory, where rows come by cp.async, so a store
+// instruction writes adjacent vectors); other calls write it in the main loop (a head's row
+// staged the same way). AMD stages neither: registers and LDS (see kStageV).
 #pragma once
 
 #include <type_traits>
@@ -69,7 +69,8 @@ struct Dims {
   int64_t v_tokens;           // tokens that may write K/V: min(T, num_slots)
   int64_t v_groups;           // groups of kVGroup tokens the V loop writes (the last may be partial)
   int32_t kv_copies;          // groups per main-loop K/V head, each taking every kv_copies-th pass's
-                              // token (Fused::kKvCopies where the call takes several passes, else 1)
+                              // token (kvf_args_t::kv_groups where Fused::kSplitKv and the call
+                              // takes several passes, else 1)
 };
 
 // ---- stores ------------------------------------------------------------------------
@@ -245,11 +246,13 @@ struct Fused {
 
   enum Kind { kQ, kK, kV, kIQ, kIK };
 
-  // Groups per main-loop K/V head (Dims::kv_copies). Threads all take the same tokens, so
-  // the longest path per token sets the loop's time: with per-token scales K's and V's is
-  // (amax, its reduction, a reciprocal, a division per value; their warps ran on after q's:
-  // ncu, PERF.md s33). Two groups of such a head take alternate passes' tokens: half each.
-  static constexpr int kKvCopies = KvQuant::kDynamic ? 2 : 1;
+  // Whether a main-loop K/V head may have several groups (Dims::kv_copies). Threads all
+  // take the same tokens, so the longest path per token sets the loop's time: with
+  // per-token scales K's and V's is (amax, its reduction, a reciprocal, a division per
+  // value; their warps ran on after q's: ncu, PERF.md s33). n groups of such a head take
+  // turns at the passes' tokens, 1/n each; how many pays depends on the shape (tuned:
+  // four where V has its own loop at one kv head, PERF.md s55).
+  static constexpr bool kSplitKv = KvQuant::kDynamic;
 
   static int heads_main(int nq, int niq, int main_kv, int copies) {
     return nq + copies * main_kv + (kIndex ? niq + 1 : 0);
@@ -367,7 +370,7 @@ struct Fused {
   // `copies` times, the index heads): its head with one group each, and its group (`copy`).
   static KVF_DEVICE int one_group(int hm, int nq, int main_kv, int copies, int& copy) {
     copy = 0;
-    if constexpr (kKvCopies > 1) {
+    if constexpr (kSplitKv) {
       const int j = hm - nq;
       if (j >= copies * main_kv) return hm - (copies - 1) * main_kv;
       if (j >= main_kv) {
@@ -515,7 +518,7 @@ struct Fused {
 #endif
     const int64_t gid = int64_t(block) * blockDim.x + threadIdx.x;
     const int64_t tpp = dims.tokens_per_pass;
-    const int copies = kKvCopies > 1 ? dims.kv_copies : 1;
+    const int copies = kSplitKv ? dims.kv_copies : 1;
     const bool idle = gid >= tpp * dims.lanes_per_token;  // whole head groups idle together
     // Threads take tokens in tiles of dims.tile (1, 2 or 4 times the lanes per thread): a
     // head's groups of a tile's tokens sit side by side, so one store instruction writes
@@ -1045,11 +1048,11 @@ int launch_at_depth(const kvf_args_t* a, void* stream, int lanes) {
     const int64_t min_blocks = (tile_lanes + threads - 1) / threads;
     if (blocks < min_blocks) blocks = min_blocks;
     dims.tokens_per_pass = blocks * threads / tile_lanes * dims.tile;
-    if (F::kKvCopies > 1 && dims.tokens_per_pass < a->num_tokens) {
-      // More than one pass (so the grid is a whole wave): K/V heads in F::kKvCopies groups
+    if (F::kSplitKv && dims.tokens_per_pass < a->num_tokens) {
+      // More than one pass (so the grid is a whole wave): K/V heads in kv_groups groups
       // where the grid still holds a tile of them.
       Dims d = dims;
-      d.kv_copies = F::kKvCopies;
+      d.kv_copies = a->kv_groups ? a->kv_groups : KVF_DEFAULT_KV_GROUPS;
       d.lanes_per_token = lanes_per_token(d.kv_copies);
       const int64_t lanes_of_tile = int64_t(d.tile) * d.lanes_per_token;
       if (blocks * threads >= lanes_of_tile) {
@@ -1094,8 +1097,9 @@ int launch_depth(const kvf_args_t* a, void* stream, int depth, int lanes) {
   }
 }
 
-static_assert((KVF_MAX_TOKENS_PER_TILE & (KVF_MAX_TOKENS_PER_TILE - 1)) == 0,
-              "launch() takes the powers of two up to KVF_MAX_TOKENS_PER_TILE");
+static_assert((KVF_MAX_TOKENS_PER_TILE & (KVF_MAX_TOKENS_PER_TILE - 1)) == 0 &&
+                  (KVF_MAX_KV_GROUPS & (KVF_MAX_KV_GROUPS - 1)) == 0,
+              "launch() takes the powers of two up to KVF_MAX_TOKENS_PER_TILE and KVF_MAX_KV_GROUPS");
 
 template <class VT>
 int launch(const kvf_args_t* a, void* stream) {
@@ -1103,6 +1107,8 @@ int launch(const kvf_args_t* a, void* stream) {
   const int tile = a->tokens_per_tile;
   if (tile < 0 || tile > KVF_MAX_TOKENS_PER_TILE || (tile & (tile - 1))) return int(hipErrorInvalidValue);
   if (a->v_loop < KVF_V_LOOP_DEFAULT || a->v_loop > KVF_V_LOOP_ON) return int(hipErrorInvalidValue);
+  const int groups = a->kv_groups;
+  if (groups < 0 || groups > KVF_MAX_KV_GROUPS || (groups & (groups - 1))) return int(hipErrorInvalidValue);
   const int lanes = a->lanes_per_thread ? a->lanes_per_thread : KVF_DEFAULT_LANES_PER_THREAD;
   if (lanes < 1 || lanes > Fused<VT>::kMaxSub) return int(hipErrorInvalidValue);
   const int depth = a->pipeline_depth ? a->pipeline_depth : KVF_DEFAULT_PIPELINE_DEPTH;
