@@ -6,38 +6,39 @@ this GPU.
                               [--all] [--filter GLOB] [--exclude GLOB] [--resume] [--budget-s S]
                               [--confirm-within 0.05] [--out DIR] [--results DIR]
 
-For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every
-variant in variants.yaml; --filter / --exclude: of those, the ones whose name matches, as
+For each variant (default: the MiniMax-M3 variants bench.py measures; --all: every variant
+in variants.yaml; --filter / --exclude: of those, the ones whose name matches, as
 `python -m kvforge.codegen --filter` selects) and token count, every depth a library holds
 (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
 KVF_MAX_TOKENS_PER_TILE) and every count of head lanes per thread the variant has
-(codegen/lanes.py: LaneMap.max_sub), and for a transposed V (SHUFFLE) with V in the
-main loop and in the V loop, is checked against the reference, then timed under CUDA-graph
-replay with inputs rotated past L2, as bench.py times (decode slots up to 256 tokens,
-prefill above). Where the variant's K/V heads have per-token scales, that sweep runs at the
-default count of groups per K/V head, and the launches within --confirm-within of its best
-(the finalists below; 5% where that is 0) are timed at every other count too: the count
-changes only how a K/V head's tokens are dealt to threads, so it is tried on the launches
-that could win, not multiplied into the sweep. It is timed at each TP of bench.py the variant serves (4 kv heads: TP1's
-64, 4, 4 heads; 1 kv head: TP4's 16, 1, 1 and TP8's 8, 1, 1), since the table, keyed by
-token count alone, gives them one launch: the launch chosen is the one whose worst
-slowdown over those TPs is smallest, and one other than the library's defaults only when
-that is more than 2% smaller (with one TP: when it is more than 2% faster). The launches
-whose worst slowdown is within --confirm-within (5%) of the smallest, and the default, are
-timed again (new buffers, reverse order), each keeping its faster time: one timing
-can be a few % slow, which the 2% rule would take for a real difference. Where V is
-transposed, counts of 257..DECODE_MAX_TOKENS are also timed as decodes, the choice and
-the other V place's best, and V's place is the one whose worst slowdown over prefills and
-decodes is smaller (again by more than 2% to move). Token ranges are split at the
-geometric midpoints between the measured counts (so the last decode-timed count's choice
-reaches to the midpoint above it); the table goes to tuning/<name>.json (the choices, one
-line per variant, and their provenance: command, date, GPU, torch, ABI), which the runtime
-reads (runtime/tuning.py), and every time measured to benchmarks/results/<name>_tune.jsonl
-(a header line with the build key of each variant timed, then one line per variant, count
-and pattern); with --out DIR both go to DIR unless --results names another. Nothing is
-tuned at run time. Counts that fit one pass of the grid (every thread one token) run at
-depth 1 whatever the depth, so there the depths time the same kernel and the 2% rule
-keeps the default.
+(codegen/lanes.py: LaneMap.max_sub), and for a transposed V (SHUFFLE) with V in the main
+loop and in the V loop, is checked against the reference, then timed under CUDA-graph replay
+with inputs rotated past L2, as bench.py times (decode slots up to 256 tokens, prefill
+above). Where the variant's K/V heads have per-token scales, that sweep runs at the default
+count of groups per K/V head, and the launches within --confirm-within of its best (the
+finalists below; 5% where that is 0) are timed at every other count too: the count changes
+only how a K/V head's tokens are dealt to threads, so it is tried on the launches that could
+win, not multiplied into the sweep. It is timed at each TP of bench.py the variant serves (4
+kv heads: TP1's 64, 4, 4 heads; 1 kv head: TP4's 16, 1, 1 and TP8's 8, 1, 1), since the
+table, keyed by token count alone, gives them one launch: the launch chosen is the one whose
+worst slowdown over those TPs is smallest, and one other than the library's defaults only
+when that is more than 2% smaller (with one TP: when it is more than 2% faster). The
+launches whose worst slowdown is within --confirm-within (5%) of the smallest, and the
+default, are timed again (new buffers, reverse order), each keeping its faster time: one
+timing can be a few % slow, which the 2% rule would take for a real difference. Where V is
+transposed, counts of 257..DECODE_MAX_TOKENS are also timed as decodes, the choice and the
+other V place's best, and V's place is the one whose worst slowdown over prefills and
+decodes is smaller (again by more than 2% to move). Token ranges are split at the geometric
+midpoints between the measured counts (so the last decode-timed count's choice reaches to
+the midpoint above it); the table goes to tuning/<name>.json (the choices, one line per
+variant, and their provenance: command, date, GPU, torch, ABI), which the runtime reads
+(runtime/tuning.py), and every time measured to benchmarks/results/<name>_tune.jsonl (a
+header line with the build key of each variant timed, then one line per variant, count and
+pattern); with --out DIR both go to DIR unless --results names another. Nothing is tuned at
+run time. Counts that fit one pass of the grid (every thread one token) run at depth 1 and
+one K/V group whatever the launch, so there the depths and group counts time the same
+kernel: the 2% rule keeps the default depth where nothing else differs, and a group count
+chosen there is one the library does not use.
 
 A run with --filter or --exclude re-tunes those variants within the table it finds at
 <name>.json: the others keep their choices and timings, and the table lists the run under
@@ -111,7 +112,9 @@ def sweep(v) -> list[Launch]:
 def regrouped(v, candidates: list[Launch]) -> list[Launch]:
     """The candidates at every other count of K/V groups the variant's library takes (none
     where it has no per-token K/V scales)."""
-    return [c._replace(groups=g) for c in candidates for g in KV_GROUPS if splits_kv(v) and g != c.groups]
+    if not splits_kv(v):
+        return []
+    return [c._replace(groups=g) for c in candidates for g in KV_GROUPS if g != c.groups]
 
 
 def launches(v) -> list[Launch]:
