@@ -7,12 +7,19 @@ import ctypes
 from kvforge.codegen import signature
 
 _DEFINES = {d.name: d.value for d in signature.DEFINES}
+
+
+def _powers_of_two_upto(most: int) -> tuple[int, ...]:
+    """1, 2, 4 .. most (a power of two): the values kvf_launch takes for such a field."""
+    return tuple(1 << i for i in range(most.bit_length()))
+
+
 ABI_VERSION = _DEFINES["KVF_ABI_VERSION"]
 LAUNCH_ABI = signature.LAUNCH_ABI  # what a tuned table names (runtime/tuning.py)
 MAX_PIPELINE_DEPTH = _DEFINES["KVF_MAX_PIPELINE_DEPTH"]
 DEFAULT_PIPELINE_DEPTH = _DEFINES["KVF_DEFAULT_PIPELINE_DEPTH"]
 MAX_TOKENS_PER_TILE = _DEFINES["KVF_MAX_TOKENS_PER_TILE"]
-TOKENS_PER_TILE = tuple(1 << i for i in range(MAX_TOKENS_PER_TILE.bit_length()))  # the tiles a library takes
+TOKENS_PER_TILE = _powers_of_two_upto(MAX_TOKENS_PER_TILE)  # the tiles a library takes
 DEFAULT_TOKENS_PER_TILE = _DEFINES["KVF_DEFAULT_TOKENS_PER_TILE"]
 V_LOOP_DEFAULT = _DEFINES["KVF_V_LOOP_DEFAULT"]
 V_LOOP_OFF = _DEFINES["KVF_V_LOOP_OFF"]
@@ -21,7 +28,7 @@ V_LOOP_MIN_TOKENS = _DEFINES["KVF_V_LOOP_MIN_TOKENS"]
 MAX_LANES_PER_THREAD = _DEFINES["KVF_MAX_LANES_PER_THREAD"]
 DEFAULT_LANES_PER_THREAD = _DEFINES["KVF_DEFAULT_LANES_PER_THREAD"]
 MAX_KV_GROUPS = _DEFINES["KVF_MAX_KV_GROUPS"]
-KV_GROUPS = tuple(1 << i for i in range(MAX_KV_GROUPS.bit_length()))  # the group counts a library takes
+KV_GROUPS = _powers_of_two_upto(MAX_KV_GROUPS)  # the group counts a library takes
 DEFAULT_KV_GROUPS = _DEFINES["KVF_DEFAULT_KV_GROUPS"]
 
 _SCALARS = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}

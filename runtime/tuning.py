@@ -5,34 +5,33 @@ scales has, per variant and token range.
 Which launch is fastest depends on the shape: a deeper pipeline (cos/sin loaded a token
 ahead) hides more memory latency on long runs of tokens but costs registers and a longer
 start on short ones; two or four tokens per tile make a head's stores of them one
-instruction (whole sectors for SHUFFLE's K) and, at four, keep a warp to one role, but
-leave lanes idle on a call of fewer tokens and spread fewer tiles over the SMs; two head
-lanes per thread spend a thread's per-token work (addresses, position, reciprocal, loop)
-on twice the bytes but keep half the threads in flight; SHUFFLE's V loop stores whole
-16-byte runs but is a second trip to memory after the main loop, which pays only once the
-call is long enough; a K/V head whose per-token scale makes its path per token the
-longest is dealt to several groups of threads, each taking its turn at the passes' tokens,
-which shortens that path per pass but takes lanes from the other heads. `benchmarks/tune.py`
-times every depth a library holds
-(1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
-KVF_MAX_TOKENS_PER_TILE), every lane count the variant has (1..its
-codegen/lanes.py: LaneMap.max_sub), and for a transposed V both places (then the best few at
-every K/V group count, where the variant has per-token scales), on the GPU and writes
-tuning/<name>.json; the runtime only reads those files, so nothing is tuned at run time.
-A device or variant without an entry gets 0 for each, the library's defaults; a variant the
-table does not name takes the ranges of its twin (`twin`), the variant that differs only in
-axes that keep the memory schedule: NeoX for GPT-J, the contract's page sizes, no FP8 query
-output, per-tensor for per-token scales (the same bytes; a lane count the twin's library
-holds, the variant's holds too).
+instruction (whole sectors for SHUFFLE's K) and, at four, keep a warp to one role, but leave
+lanes idle on a call of fewer tokens and spread fewer tiles over the SMs; two head lanes per
+thread spend a thread's per-token work (addresses, position, reciprocal, loop) on twice the
+bytes but keep half the threads in flight; SHUFFLE's V loop stores whole 16-byte runs but is
+a second trip to memory after the main loop, which pays only once the call is long enough; a
+K/V head whose per-token scale makes its path per token the longest is dealt to several
+groups of threads, each taking its turn at the passes' tokens, which shortens that path per
+pass but takes lanes from the other heads. `benchmarks/tune.py` times every depth a library
+holds (1..KVF_MAX_PIPELINE_DEPTH) with every tile (the powers of two up to
+KVF_MAX_TOKENS_PER_TILE), every lane count the variant has (1..its codegen/lanes.py:
+LaneMap.max_sub), and for a transposed V both places (then the best few at every K/V group
+count, where the variant has per-token scales), on the GPU and writes tuning/<name>.json;
+the runtime only reads those files, so nothing is tuned at run time. A device or variant
+without an entry gets 0 for each, the library's defaults; a variant the table does not name
+takes the ranges of its twin (`twin`), the variant that differs only in axes that keep the
+memory schedule: NeoX for GPT-J, the contract's page sizes, no FP8 query output, per-tensor
+for per-token scales (the same bytes; a lane count the twin's library holds, the variant's
+holds too).
 
-File format: {"device": "<torch.cuda.get_device_name()>", "abi": LAUNCH_ABI,
-"choices": {"<variant uri>": [[max_tokens, depth, tile, v_loop, lanes, groups], ..., [null,
-depth, tile, v_loop, lanes, groups]]}}, ranges ascending, the last one open; v_loop is
+File format: {"device": "<torch.cuda.get_device_name()>", "abi": LAUNCH_ABI, "choices":
+{"<variant uri>": [[max_tokens, depth, tile, v_loop, lanes, groups], ..., [null, depth,
+tile, v_loop, lanes, groups]]}}, ranges ascending, the last one open; v_loop is
 KVF_V_LOOP_OFF (1) or _ON (2) where V is transposed, else 0; groups one of KV_GROUPS where
-the variant has per-token K/V scales, else 0. Only those keys are read; the tuner also records
-its provenance ("command", "date", "torch") and where its measured times went ("timings",
-a file under benchmarks/results/). A table is read only by the launch ABI it was tuned for
-(codegen/signature.py: LAUNCH_ABI): what a launch field means may change with it.
+the variant has per-token K/V scales, else 0. Only those keys are read; the tuner also
+records its provenance ("command", "date", "torch") and where its measured times went
+("timings", a file under benchmarks/results/). A table is read only by the launch ABI it was
+tuned for (codegen/signature.py: LAUNCH_ABI): what a launch field means may change with it.
 """
 from __future__ import annotations
 
