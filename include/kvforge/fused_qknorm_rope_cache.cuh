@@ -55,6 +55,8 @@ constexpr int kMinBlocksTwoLanes = 2;
 template <int kSub>
 constexpr int kMinBlocksOf = kSub == 1 ? 3 : kMinBlocksTwoLanes;
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
+// Whether v is 0 or a power of two up to max (launch fields whose 0 means the default).
+constexpr bool pow2_upto(int v, int max) { return v >= 0 && v <= max && (v & (v - 1)) == 0; }
 // A transposed V (SHUFFLE) goes to the V loop as kvf_args_t::v_loop says (tuned per
 // shape), by default from KVF_V_LOOP_MIN_TOKENS tokens on. Decodes have scattered slots,
 // where every V value is its own store, best spread over the main loop's many lanes than
@@ -241,7 +243,7 @@ struct Fused {
   static constexpr bool kKvFp8 = KvQuant::kBytes == 1;
   static constexpr bool kQFp8 = QQuant::kBytes == 1;
   static constexpr bool kVTransposed = VT::V::kTransposed;
-  static_assert(LPH >= 2 && LPH <= 32 && (LPH & (LPH - 1)) == 0, "head_dim");
+  static_assert(LPH >= 2 && pow2_upto(LPH, 32), "head_dim");
   static_assert(R % 2 == 0 && R <= D, "rotary_dim");
 
   enum Kind { kQ, kK, kV, kIQ, kIK };
@@ -275,7 +277,7 @@ struct Fused {
   // on the shape (PERF.md, v6.17).
   static constexpr int LANES = D / (2 * kVec);  // main-loop lanes per head
   static constexpr int kMaxSub = Lanes::kMaxSub;
-  static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "head_dim");
+  static_assert(LANES >= 1 && pow2_upto(LANES, 32), "head_dim");
   static_assert(kMaxSub == 1 || (kMaxSub == 2 && LANES >= 2 && !Lanes::kExchange), "lanes per thread");
   template <int kSub>
   static constexpr int LN = LANES / kSub;  // thread lanes per head
@@ -1097,18 +1099,16 @@ int launch_depth(const kvf_args_t* a, void* stream, int depth, int lanes) {
   }
 }
 
-static_assert((KVF_MAX_TOKENS_PER_TILE & (KVF_MAX_TOKENS_PER_TILE - 1)) == 0 &&
-                  (KVF_MAX_KV_GROUPS & (KVF_MAX_KV_GROUPS - 1)) == 0,
+static_assert(pow2_upto(KVF_MAX_TOKENS_PER_TILE, KVF_MAX_TOKENS_PER_TILE) &&
+                  pow2_upto(KVF_MAX_KV_GROUPS, KVF_MAX_KV_GROUPS),
               "launch() takes the powers of two up to KVF_MAX_TOKENS_PER_TILE and KVF_MAX_KV_GROUPS");
 
 template <class VT>
 int launch(const kvf_args_t* a, void* stream) {
   if (a->num_tokens <= 0) return 0;
-  const int tile = a->tokens_per_tile;
-  if (tile < 0 || tile > KVF_MAX_TOKENS_PER_TILE || (tile & (tile - 1))) return int(hipErrorInvalidValue);
+  if (!pow2_upto(a->tokens_per_tile, KVF_MAX_TOKENS_PER_TILE)) return int(hipErrorInvalidValue);
   if (a->v_loop < KVF_V_LOOP_DEFAULT || a->v_loop > KVF_V_LOOP_ON) return int(hipErrorInvalidValue);
-  const int groups = a->kv_groups;
-  if (groups < 0 || groups > KVF_MAX_KV_GROUPS || (groups & (groups - 1))) return int(hipErrorInvalidValue);
+  if (!pow2_upto(a->kv_groups, KVF_MAX_KV_GROUPS)) return int(hipErrorInvalidValue);
   const int lanes = a->lanes_per_thread ? a->lanes_per_thread : KVF_DEFAULT_LANES_PER_THREAD;
   if (lanes < 1 || lanes > Fused<VT>::kMaxSub) return int(hipErrorInvalidValue);
   const int depth = a->pipeline_depth ? a->pipeline_depth : KVF_DEFAULT_PIPELINE_DEPTH;
