@@ -119,7 +119,8 @@ def regrouped(v, candidates: list[Launch]) -> list[Launch]:
 
 def launches(v) -> list[Launch]:
     """Every launch the variant's library distinguishes."""
-    return [*sweep(v), *regrouped(v, sweep(v))]
+    swept = sweep(v)
+    return [*swept, *regrouped(v, swept)]
 
 
 def tps(v) -> list[int]:
