@@ -306,6 +306,23 @@ def test_a_missing_compiler_says_what_to_install_or_set(tmp_path, monkeypatch, c
     assert time.monotonic() - start < 20
 
 
+def exits_soon(pid: int, within: float = 5.0) -> bool:
+    """Whether `pid` is gone or a zombie within `within` s. The build returns when the pipe
+    closes, and a killed process closes its files before it turns zombie: for that moment
+    it still reads as running, so one look would race its exit."""
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if stat.read_text().split(")")[-1].split()[0] in "ZX":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 FAILING = {
     # name: (compiler body, what the error must say)
     "exit-status": ("echo 'kernel.hip(7): error: something broke'; echo 'one more line' >&2; exit 2\n",
@@ -346,9 +363,7 @@ def test_a_failing_compiler_raises_with_its_command_and_output_and_installs_noth
     assert str(fake) in text and str(src) in text, text  # the command, with the source
     nothing_trusted(tc, root)
     if fault == "hangs":  # the compiler's own children were killed with it
-        pid = int((tmp_path / "pid").read_text())
-        stat = Path(f"/proc/{pid}/stat")
-        assert not stat.exists() or stat.read_text().split(")")[-1].split()[0] in "ZX"
+        assert exits_soon(int((tmp_path / "pid").read_text())), "the compiler's child outlived it"
     ok = script(tmp_path / "ok", 'cp "$PRISTINE" "$out"\n')
     lib = build.build(JOB, toolchain.Toolchain("nvcc", str(ok), pristine.tc.version, "sm_90"), root)
     assert build.check_artifact(lib) is None and sha256(lib) == pristine.sha
